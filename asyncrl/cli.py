@@ -1,0 +1,83 @@
+"""The ``asyncrl`` command line.
+
+``asyncrl worker --connect ADDR [--connect ADDR ...]`` runs one rollout worker serving the pools at
+those addresses (one per trainer rank), e.g. on another machine. Worker settings come from
+``--config FILE.json`` (``{"worker": {...}, "transport": {...}}``) and dotted overrides such as
+``--set worker.slots=8 --set worker.engine.max_new_tokens=256``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from asyncrl.codec import loads_json
+from asyncrl.config import TransportConfig, WorkerConfig, from_dict
+
+__all__ = ["main"]
+
+
+def _apply_override(tree: dict[str, Any], item: str) -> None:
+    key, sep, raw = item.partition("=")
+    if not sep:
+        raise SystemExit(f"--set needs KEY=VALUE, got {item!r}")
+    try:
+        value = loads_json(raw)
+    except Exception:  # a bare string such as a path or module:function
+        value = raw
+    node = tree
+    *parents, leaf = key.split(".")
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[leaf] = value
+
+
+def _worker(args: argparse.Namespace) -> None:
+    from workers.worker import run_worker
+
+    tree: dict[str, Any] = {"worker": {}, "transport": {}}
+    if args.config:
+        with open(args.config, "rb") as f:
+            tree.update(loads_json(f.read()))
+    if args.config_json:
+        tree.update(loads_json(args.config_json))
+    for item in args.set or []:
+        _apply_override(tree, item)
+    worker = from_dict(WorkerConfig, tree.get("worker", {}))
+    transport = from_dict(TransportConfig, tree.get("transport", {}))
+    worker_id = args.worker_id or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    run_worker(
+        args.connect,
+        worker,
+        transport,
+        worker_id=worker_id,
+        parent_pid=args.parent_pid,
+        server_key=args.server_key,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    w = sub.add_parser("worker", help="run a rollout worker that serves one or more trainer ranks")
+    w.add_argument("--connect", action="append", required=True, help="pool endpoint (repeat once per trainer rank)")
+    w.add_argument("--config", help="JSON file with 'worker' and 'transport' sections")
+    w.add_argument("--config-json", help=argparse.SUPPRESS)
+    w.add_argument("--set", action="append", metavar="KEY=VALUE", help="dotted override, e.g. worker.slots=8")
+    w.add_argument("--worker-id", help="unique worker name (default: host-pid-random)")
+    w.add_argument("--server-key", help="the pools' CURVE public key (Z85) when they use CURVE")
+    w.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+    w.add_argument("--log-level", default=os.environ.get("ASYNCRL_LOG_LEVEL", "WARNING"))
+    w.set_defaults(func=_worker)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

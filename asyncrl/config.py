@@ -1,0 +1,162 @@
+"""Configuration dataclasses, one per component; cross-field checks raise with the fix.
+
+Configs are plain data so they travel as JSON (orjson) to worker processes and load from files;
+``from_dict`` rejects unknown keys so a typo in a run file fails loudly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+__all__ = ["EngineConfig", "LoaderConfig", "TransportConfig", "WorkerConfig", "from_dict", "to_dict"]
+
+C = TypeVar("C")
+
+
+@dataclass(kw_only=True, slots=True)
+class TransportConfig:
+    """The ZeroMQ link between workers and a trainer rank's pool."""
+
+    bind: str = "tcp://127.0.0.1:0"
+    """Where the pool binds: ``tcp://HOST:PORT`` (port 0 picks a free one) or ``ipc:///path``. Loopback by
+    default; a non-loopback host needs ``curve_secret_key`` or ``allow_insecure_remote``."""
+    heartbeat_s: float = 1.0
+    """Both ends send a heartbeat this often when otherwise idle."""
+    peer_timeout_s: float = 10.0
+    """A peer silent for this long is dead: the pool re-issues its leases, a worker gives up on the pool."""
+    handshake_timeout_s: float = 60.0
+    """A worker that gets no WELCOME from the pool within this long exits with an error naming this setting."""
+    max_message_bytes: int = 64 * 1024 * 1024
+    """Largest message accepted; larger ones are rejected and counted (ZeroMQ also drops peers whose single
+    frame is larger)."""
+    hwm: int = 1000
+    """ZeroMQ high-water mark (messages per peer)."""
+    curve_secret_key: str | None = None
+    """Z85 CURVE secret key of the pool; enables encryption and authentication of workers."""
+    curve_public_key: str | None = None
+    """Z85 CURVE public key of the pool (workers need it as ``server_key``)."""
+    allow_insecure_remote: bool = False
+    """Allow binding a non-loopback address without CURVE (trusted networks only)."""
+
+    def __post_init__(self):
+        if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"transport.bind={self.bind!r} must start with tcp://, ipc:// or inproc://")
+        if self.peer_timeout_s <= self.heartbeat_s:
+            raise ValueError(f"{self.peer_timeout_s=} must exceed {self.heartbeat_s=} (several heartbeats per timeout)")
+        if (self.curve_secret_key is None) != (self.curve_public_key is None):
+            raise ValueError("set both transport.curve_secret_key and transport.curve_public_key, or neither")
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineConfig:
+    """The generation backend inside a worker."""
+
+    type: Literal["fake"] = "fake"
+    """Engine type; the data plane ships ``fake`` (deterministic, for tests and benchmarks)."""
+    seed: int = 0
+    """Seed of sampling; with the fake engine a rollout's tokens depend only on (seed, uid, policy_version)."""
+    min_new_tokens: int = 4
+    """Fake engine: shortest response."""
+    max_new_tokens: int = 32
+    """Longest response (fake engine: responses are uniform in [min_new_tokens, max_new_tokens], or
+    long-tailed with ``length_tail``)."""
+    length_tail: float = 0.0
+    """Fake engine: 0 = uniform lengths; > 0 = lognormal sigma of a long-tailed length distribution."""
+    vocab_size: int = 32000
+    """Fake engine: token ids are drawn from [0, vocab_size)."""
+    seconds_per_token: float = 0.0
+    """Fake engine: simulated generation time per generated token."""
+
+    def __post_init__(self):
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"need 0 <= {self.min_new_tokens=} <= {self.max_new_tokens=}")
+
+
+@dataclass(kw_only=True, slots=True)
+class WorkerConfig:
+    """One rollout worker process."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    reward: str = "workers.rewards:fake_reward"
+    """``module:function`` of the batched reward function."""
+    slots: int = 4
+    """Leases (credits) the worker holds per pool at once: generation never runs ahead of these."""
+    max_batch: int = 4
+    """Most leases generated together in one engine call."""
+
+    def __post_init__(self):
+        if self.slots < 1 or self.max_batch < 1:
+            raise ValueError(f"{self.slots=} and {self.max_batch=} must be >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class LoaderConfig:
+    """A trainer rank's :class:`~asyncrl.RolloutLoader`."""
+
+    group_size: int = 4
+    """Rollouts per prompt (GRPO ``n``)."""
+    batch_size: int = 8
+    """Groups per batch yielded to the training loop."""
+    max_staleness: int | None = 1
+    """Largest ``trainer policy_version - rollout policy_version`` trained on: 0 = synchronous on-policy,
+    k = k-step off-policy, None = unbounded. Staler groups are regenerated (counted)."""
+    capacity: int = 64
+    """Most groups leased + buffered at once for this rank: the memory bound and the backpressure knob."""
+    max_buffer_bytes: int | None = None
+    """Optional byte bound on buffered rollouts."""
+    seed: int = 0
+    """Seed of the per-epoch prompt order."""
+    shuffle: bool = True
+    """Shuffle prompts per epoch."""
+    drop_remainder: bool = False
+    """Give every trainer rank the same number of prompts (needed for lock-step DDP)."""
+    lease_timeout_s: float = 300.0
+    """A prompt leased for longer than this is re-issued to another worker."""
+    num_workers: int = 0
+    """Local worker processes this rank starts (like ``DataLoader(num_workers=N)``); 0 = workers are
+    started elsewhere with ``asyncrl worker --connect ADDR``."""
+    restart_workers: bool = True
+    """Restart local workers that die (their leases are re-issued either way)."""
+    serve_all_ranks: bool = True
+    """With a process group, local workers connect to every rank's pool (M:N); else only to this rank's."""
+    poll_timeout_s: float = 1.0
+    """How long ``next()`` waits per poll before re-checking worker health."""
+    wait_timeout_s: float | None = None
+    """Raise if no group arrives for this long (None = wait forever, e.g. for remote workers)."""
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+
+    def __post_init__(self):
+        if self.group_size < 1 or self.batch_size < 1:
+            raise ValueError(f"{self.group_size=} and {self.batch_size=} must be >= 1")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"{self.max_staleness=} must be >= 0, or None for unbounded")
+        if self.capacity < 1:
+            raise ValueError(f"{self.capacity=} must be >= 1")
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(cls: type[C], data: dict[str, Any]) -> C:
+    """Builds a config dataclass from a nested dict, rejecting unknown keys."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(data) - set(fields)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} keys {sorted(unknown)}; known: {sorted(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        ftype = fields[name].type
+        sub = _SUBCONFIGS.get(ftype if isinstance(ftype, str) else getattr(ftype, "__name__", ""))
+        kwargs[name] = from_dict(sub, value) if sub is not None and isinstance(value, dict) else value
+    return cls(**kwargs)
+
+
+_SUBCONFIGS: dict[str, type] = {
+    "TransportConfig": TransportConfig,
+    "EngineConfig": EngineConfig,
+    "WorkerConfig": WorkerConfig,
+}

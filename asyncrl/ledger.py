@@ -1,0 +1,323 @@
+"""The prompt ledger: where every prompt of this rank's shard of the epoch is.
+
+Lifecycle of one prompt (per epoch)::
+
+    PENDING ──lease──► LEASED ──group arrives──► BUFFERED ──yielded──► CONSUMED
+       ▲                 │                           │
+       └──── expired / worker lost / failed ─────────┘ stale (dropped by max_staleness)
+
+The ledger is like ``DistributedSampler`` plus DataLoader worker sharding, but dynamic: the order of
+prompts is a deterministic function of ``(seed, epoch)``, this rank owns a fixed shard of it, and
+prompts are handed to whichever worker asks, as leases with deadlines. A lease whose worker dies or
+misses its deadline goes back to the front of the queue; the first complete group to arrive for a
+prompt wins and any other copy is a counted duplicate. Consumption is recorded as a watermark over
+the shard's order plus the set of positions consumed above it, so the state stays small.
+
+The ledger is not thread-safe: :class:`~asyncrl.pool.RolloutPool` owns it and holds its lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+
+__all__ = ["Lease", "PromptLedger", "PromptState", "shard_indices"]
+
+
+class PromptState(str, Enum):
+    PENDING = "pending"
+    LEASED = "leased"
+    BUFFERED = "buffered"
+    CONSUMED = "consumed"
+
+
+@dataclass(slots=True)
+class Lease:
+    """A prompt handed to a worker until ``deadline`` (monotonic seconds)."""
+
+    lease_id: int
+    epoch: int
+    prompt_index: int
+    worker_id: str
+    deadline: float
+    attempt: int
+    """0 for the first issue of this prompt in this epoch, +1 per re-issue."""
+
+
+def shard_indices(
+    num_prompts: int,
+    *,
+    seed: int,
+    epoch: int,
+    rank: int,
+    world_size: int,
+    shuffle: bool = True,
+    prompt_lengths: Sequence[int] | None = None,
+    drop_remainder: bool = False,
+) -> list[int]:
+    """This rank's prompts for ``epoch``, in the order they are leased.
+
+    The global order is ``torch.randperm`` seeded with ``seed + epoch`` (as ``DistributedSampler``).
+    Each window of ``world_size`` consecutive prompts gives one prompt to every rank; with
+    ``prompt_lengths``, the longest prompt of the window goes to the rank with the fewest tokens so
+    far (greedy longest-processing-time), which balances prompt tokens across ranks. Shards are
+    disjoint and together cover the epoch; with ``drop_remainder`` every rank gets the same count and
+    the last ``num_prompts % world_size`` prompts of the order are skipped.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"{rank=} must be in [0, {world_size=})")
+    if shuffle:
+        g = torch.Generator().manual_seed(seed + epoch)
+        order = torch.randperm(num_prompts, generator=g).tolist()
+    else:
+        order = list(range(num_prompts))
+    if drop_remainder:
+        order = order[: num_prompts - num_prompts % world_size]
+    if prompt_lengths is None:
+        return order[rank::world_size]
+    if len(prompt_lengths) != num_prompts:
+        raise ValueError(f"{len(prompt_lengths)=} must equal {num_prompts=}")
+    loads = [0] * world_size
+    mine: list[int] = []
+    for start in range(0, len(order), world_size):
+        window = sorted(order[start : start + world_size], key=lambda i: -prompt_lengths[i])
+        ranks = sorted(range(world_size), key=lambda r: (loads[r], r))
+        for idx, r in zip(window, ranks):
+            loads[r] += prompt_lengths[idx]
+            if r == rank:
+                mine.append(idx)
+    return mine
+
+
+class PromptLedger:
+    """Leases this rank's prompts to workers and records what happened to each.
+
+    Args:
+        num_prompts: size of the dataset.
+        seed: seed of the per-epoch order.
+        rank: this trainer rank; the ledger owns shard ``rank`` of ``world_size``.
+        world_size: number of trainer ranks.
+        lease_timeout_s: a lease not completed within this many seconds is re-issued.
+        shuffle: shuffle the order per epoch.
+        prompt_lengths: optional token counts used to balance shards across ranks.
+        drop_remainder: give every rank the same number of prompts.
+    """
+
+    STATE_VERSION = 1
+
+    def __init__(
+        self,
+        num_prompts: int,
+        *,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        lease_timeout_s: float = 300.0,
+        shuffle: bool = True,
+        prompt_lengths: Sequence[int] | None = None,
+        drop_remainder: bool = False,
+    ):
+        if num_prompts <= 0:
+            raise ValueError(f"{num_prompts=} must be > 0")
+        if lease_timeout_s <= 0:
+            raise ValueError(f"{lease_timeout_s=} must be > 0")
+        self.num_prompts = num_prompts
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.lease_timeout_s = lease_timeout_s
+        self.shuffle = shuffle
+        self.prompt_lengths = prompt_lengths
+        self.drop_remainder = drop_remainder
+        self._lease_ids = itertools.count(1)
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.start_epoch(0)
+
+    # -- epoch ---------------------------------------------------------------------------------
+    def start_epoch(self, epoch: int) -> None:
+        """Starts ``epoch`` from scratch: every prompt of the shard PENDING, no leases."""
+        self.epoch = epoch
+        self.order = shard_indices(
+            self.num_prompts,
+            seed=self.seed,
+            epoch=epoch,
+            rank=self.rank,
+            world_size=self.world_size,
+            shuffle=self.shuffle,
+            prompt_lengths=self.prompt_lengths,
+            drop_remainder=self.drop_remainder,
+        )
+        self._position = {idx: pos for pos, idx in enumerate(self.order)}
+        self._cursor = 0  # next position never issued in this epoch
+        self._retry: collections.deque[int] = collections.deque()  # prompt indices to re-issue first
+        self._attempts: dict[int, int] = {}
+        self.leases: dict[int, Lease] = {}
+        self._leases_of: dict[int, set[int]] = collections.defaultdict(set)
+        self._buffered: set[int] = set()
+        self._watermark = 0  # every position below it is consumed
+        self._consumed_above: set[int] = set()
+
+    @property
+    def shard_size(self) -> int:
+        return len(self.order)
+
+    @property
+    def num_consumed(self) -> int:
+        return self._watermark + len(self._consumed_above)
+
+    @property
+    def epoch_done(self) -> bool:
+        return self.num_consumed == len(self.order)
+
+    def state_of(self, prompt_index: int) -> PromptState | None:
+        """Where ``prompt_index`` is in this epoch, or None if it is not in this rank's shard."""
+        pos = self._position.get(prompt_index)
+        if pos is None:
+            return None
+        if pos < self._watermark or pos in self._consumed_above:
+            return PromptState.CONSUMED
+        if prompt_index in self._buffered:
+            return PromptState.BUFFERED
+        if self._leases_of.get(prompt_index):
+            return PromptState.LEASED
+        return PromptState.PENDING
+
+    # -- leasing -------------------------------------------------------------------------------
+    def has_pending(self) -> bool:
+        return bool(self._retry) or self._cursor < len(self.order)
+
+    def lease(self, worker_id: str, now: float) -> Lease | None:
+        """Leases the next pending prompt to ``worker_id``, re-issues first; None if nothing is pending."""
+        while self._retry:
+            idx = self._retry.popleft()
+            if self.state_of(idx) is PromptState.PENDING:  # may have arrived late from a former lease
+                return self._issue(idx, worker_id, now)
+        if self._cursor < len(self.order):
+            idx = self.order[self._cursor]
+            self._cursor += 1
+            return self._issue(idx, worker_id, now)
+        return None
+
+    def _issue(self, idx: int, worker_id: str, now: float) -> Lease:
+        attempt = self._attempts.get(idx, -1) + 1
+        self._attempts[idx] = attempt
+        if attempt:
+            self.counters["regenerated"] += 1
+        lease = Lease(next(self._lease_ids), self.epoch, idx, worker_id, now + self.lease_timeout_s, attempt)
+        self.leases[lease.lease_id] = lease
+        self._leases_of[idx].add(lease.lease_id)
+        self.counters["leased"] += 1
+        return lease
+
+    def _drop_lease(self, lease_id: int) -> Lease | None:
+        lease = self.leases.pop(lease_id, None)
+        if lease is not None:
+            self._leases_of[lease.prompt_index].discard(lease_id)
+        return lease
+
+    def _requeue(self, idx: int, reason: str) -> None:
+        self.counters[f"requeued_{reason}"] += 1
+        self._retry.append(idx)
+
+    def release(self, lease_id: int, reason: str) -> Lease | None:
+        """Gives a lease back (worker failed it, left, or was cancelled); its prompt is re-issued."""
+        lease = self._drop_lease(lease_id)
+        if lease is not None and self.state_of(lease.prompt_index) is PromptState.PENDING:
+            self._requeue(lease.prompt_index, reason)
+        return lease
+
+    def release_worker(self, worker_id: str, reason: str = "worker_lost") -> list[Lease]:
+        """Releases every lease of a dead or departed worker."""
+        gone = [lid for lid, lease in self.leases.items() if lease.worker_id == worker_id]
+        return [lease for lid in gone if (lease := self.release(lid, reason)) is not None]
+
+    def expire(self, now: float) -> list[Lease]:
+        """Releases every lease past its deadline."""
+        late = [lid for lid, lease in self.leases.items() if lease.deadline <= now]
+        return [lease for lid in late if (lease := self.release(lid, "expired")) is not None]
+
+    # -- results -------------------------------------------------------------------------------
+    def complete(self, epoch: int, prompt_index: int, lease_id: int | None = None) -> tuple[bool, list[Lease]]:
+        """Records that a whole group arrived for a prompt (through ``lease_id``, if known).
+
+        Returns:
+            ``(accepted, cancelled)``: accepted is False for a duplicate, another epoch or another
+            rank's prompt; cancelled are the other leases of the prompt, now void.
+        """
+        if epoch != self.epoch or self.state_of(prompt_index) not in (PromptState.PENDING, PromptState.LEASED):
+            return False, []
+        dropped = [self._drop_lease(lid) for lid in list(self._leases_of.get(prompt_index, ()))]
+        self._buffered.add(prompt_index)
+        return True, [lease for lease in dropped if lease is not None and lease.lease_id != lease_id]
+
+    def requeue_stale(self, prompt_index: int) -> None:
+        """A buffered group was dropped for staleness: generate it again."""
+        self._buffered.discard(prompt_index)
+        self._requeue(prompt_index, "stale")
+
+    def consume(self, prompt_index: int) -> None:
+        """Marks a buffered prompt as handed to the trainer."""
+        if self.state_of(prompt_index) is not PromptState.BUFFERED:
+            raise RuntimeError(f"prompt {prompt_index} of epoch {self.epoch} is {self.state_of(prompt_index)}, not buffered")
+        self._buffered.discard(prompt_index)
+        self._consumed_above.add(self._position[prompt_index])
+        while self._watermark in self._consumed_above:
+            self._consumed_above.discard(self._watermark)
+            self._watermark += 1
+        self.counters["consumed"] += 1
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Cursor, consumed watermark, and every prompt that must be generated again on resume.
+
+        Outstanding leases are saved as prompts to re-issue: their workers may not exist after a
+        restart, and a late group from one that does is deduplicated by uid.
+        """
+        outstanding = sorted({lease.prompt_index for lease in self.leases.values()}, key=self._position.__getitem__)
+        retry = list(dict.fromkeys([*outstanding, *self._retry]))
+        retry = [i for i in retry if i not in self._buffered and self.state_of(i) is not PromptState.CONSUMED]
+        return {
+            "version": self.STATE_VERSION,
+            "epoch": self.epoch,
+            "num_prompts": self.num_prompts,
+            "seed": self.seed,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "cursor": self._cursor,
+            "retry": retry,
+            "buffered": sorted(self._buffered, key=self._position.__getitem__),
+            "watermark": self._watermark,
+            "consumed_above": sorted(self._consumed_above),
+            "attempts": {str(k): v for k, v in self._attempts.items()},
+            "counters": dict(self.counters),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores a ledger saved by :meth:`state_dict` with the same dataset, seed and topology.
+
+        Raises:
+            ValueError: if the state was saved with another dataset size, seed or topology.
+        """
+        if state.get("version") != self.STATE_VERSION:
+            raise ValueError(f"ledger state version {state.get('version')!r} != {self.STATE_VERSION}")
+        mine = (self.num_prompts, self.seed, self.rank, self.world_size)
+        saved = (state["num_prompts"], state["seed"], state["rank"], state["world_size"])
+        if saved != mine:
+            raise ValueError(
+                f"ledger state was saved for (num_prompts, seed, rank, world_size)={saved} but this run has {mine}; "
+                "resume with the same dataset, seed and number of trainer ranks"
+            )
+        self.start_epoch(state["epoch"])
+        self._cursor = state["cursor"]
+        self._retry = collections.deque(state["retry"])
+        self._buffered = set(state["buffered"])
+        self._watermark = state["watermark"]
+        self._consumed_above = set(state["consumed_above"])
+        self._attempts = {int(k): v for k, v in state["attempts"].items()}
+        self.counters = collections.Counter(state["counters"])

@@ -1,0 +1,276 @@
+"""The rollout pool: the versioned, bounded, exactly-once buffer between workers and one trainer rank.
+
+Who calls what (all under one lock; the condition wakes the trainer when a group is ready)::
+
+    receiver I/O thread                       trainer thread (RolloutPoolNode.next)
+    ───────────────────                       ─────────────────────────────────────
+    add_rollouts(...)  ── complete group ──►  take(timeout) ── drops stale, consumes ──► Group
+    grant(worker, n)   ◄── capacity freed ──  set_policy_version(v) ── purges stale groups
+    expire(now) / release_worker(w)
+
+A group is buffered whole, in arrival order. ``take`` drops groups older than
+``policy_version - max_staleness`` and sends their prompts back to the ledger to be generated again
+(counted, never silently lost). Capacity counts groups leased, partially received or buffered, so a
+stalled trainer stops lease grants and with them generation (backpressure). Everything the trainer
+has not yet received lives here and is part of :meth:`state_dict`.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any
+
+from asyncrl.ledger import Lease, PromptLedger, PromptState
+from asyncrl.rollout import Group, Rollout
+from asyncrl.staleness import check_policy_version, is_stale
+
+__all__ = ["RolloutPool"]
+
+
+class RolloutPool:
+    """Buffer of complete groups for one trainer rank, with its :class:`PromptLedger`.
+
+    Args:
+        ledger: the rank's prompt ledger (owned by the pool from now on).
+        group_size: rollouts per prompt (GRPO ``n``).
+        capacity: most groups leased, partially received and buffered at once.
+        max_staleness: largest ``trainer_version - rollout.policy_version`` yielded; None = unbounded.
+        max_buffer_bytes: optional bound on the bytes of buffered rollouts; grants stop above it.
+    """
+
+    STATE_VERSION = 1
+
+    def __init__(
+        self,
+        ledger: PromptLedger,
+        *,
+        group_size: int,
+        capacity: int,
+        max_staleness: int | None = None,
+        max_buffer_bytes: int | None = None,
+    ):
+        if group_size < 1:
+            raise ValueError(f"{group_size=} must be >= 1")
+        if capacity < 1:
+            raise ValueError(f"{capacity=} must be >= 1")
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError(f"{max_staleness=} must be >= 0 (or None for unbounded)")
+        self.ledger = ledger
+        self.group_size = group_size
+        self.capacity = capacity
+        self.max_staleness = max_staleness
+        self.max_buffer_bytes = max_buffer_bytes
+        self.cond = threading.Condition()
+        self.policy_version = 0
+        self.stats: collections.Counter[str] = collections.Counter()
+        self.peak = collections.Counter()  # high-water marks: groups_in_flight, buffered_bytes
+        self._ready: collections.OrderedDict[int, Group] = collections.OrderedDict()
+        self._partial: dict[int, dict[int, Rollout]] = {}
+        self.buffered_bytes = 0
+        self.min_lease_id = 0  # results of older leases belong to a timeline abandoned by a reset
+        self._error: BaseException | None = None
+        self.active = False  # no leases before the loader's first iter(): it may still load a state dict
+
+    # -- receiver side -------------------------------------------------------------------------
+    @property
+    def groups_in_flight(self) -> int:
+        return len(self._ready) + len(self._partial) + len(self.ledger.leases)
+
+    def add_rollouts(self, rollouts: list[Rollout], *, lease_id: int | None = None) -> int:
+        """Adds received rollouts; completes groups; deduplicates by uid.
+
+        Returns:
+            the number of rollouts accepted (the rest are counted in ``stats`` by reason).
+        """
+        accepted = 0
+        with self.cond:
+            if lease_id is not None and lease_id < self.min_lease_id:
+                self.stats["superseded"] += len(rollouts)
+                return 0
+            for r in rollouts:
+                reason = self._reject_reason(r)
+                if reason:
+                    self.stats[reason] += 1
+                    continue
+                part = self._partial.setdefault(r.prompt_index, {})
+                part[r.sample_index] = r
+                self.buffered_bytes += r.nbytes
+                accepted += 1
+                if len(part) == self.group_size:
+                    self._complete(r.epoch, r.prompt_index, lease_id)
+            self.stats["rollouts_received"] += accepted
+            self._update_peaks()
+        return accepted
+
+    def _reject_reason(self, r: Rollout) -> str | None:
+        if r.epoch != self.ledger.epoch:
+            return "wrong_epoch"
+        state = self.ledger.state_of(r.prompt_index)
+        if state is None:
+            return "not_in_shard"
+        if state in (PromptState.BUFFERED, PromptState.CONSUMED):
+            return "duplicate"
+        if not 0 <= r.sample_index < self.group_size:
+            return "bad_sample_index"
+        if r.sample_index in self._partial.get(r.prompt_index, ()):
+            return "duplicate"
+        return None
+
+    def _complete(self, epoch: int, prompt_index: int, lease_id: int | None) -> None:
+        part = self._partial.pop(prompt_index)
+        ok, cancelled = self.ledger.complete(epoch, prompt_index, lease_id)
+        assert ok, f"prompt {prompt_index} completed twice"  # _reject_reason admits only pending/leased prompts
+        self.stats["cancelled_leases"] += len(cancelled)
+        group = Group(epoch=epoch, prompt_index=prompt_index, rollouts=[part[i] for i in range(self.group_size)])
+        self._ready[prompt_index] = group
+        self.stats["groups_received"] += 1
+        self.cond.notify_all()
+
+    def grant(self, worker_id: str, want: int, now: float | None = None) -> list[Lease]:
+        """Leases up to ``want`` prompts to a worker, within the pool's capacity (the worker's credits)."""
+        now = time.monotonic() if now is None else now
+        out: list[Lease] = []
+        with self.cond:
+            while self.active and len(out) < want and self.groups_in_flight < self.capacity:
+                if self.max_buffer_bytes is not None and self.buffered_bytes >= self.max_buffer_bytes:
+                    break
+                lease = self.ledger.lease(worker_id, now)
+                if lease is None:
+                    break
+                out.append(lease)
+            self._update_peaks()
+        return out
+
+    def release(self, lease_id: int, reason: str) -> None:
+        with self.cond:
+            self.ledger.release(lease_id, reason)
+
+    def release_held(self, lease_id: int, worker_id: str, reason: str) -> None:
+        """Releases a lease if ``worker_id`` still holds it (a result for it was rejected, or it failed)."""
+        with self.cond:
+            lease = self.ledger.leases.get(lease_id)
+            if lease is not None and lease.worker_id == worker_id:
+                self.ledger.release(lease_id, reason)
+
+    def release_worker(self, worker_id: str, reason: str = "worker_lost") -> list[Lease]:
+        with self.cond:
+            return self.ledger.release_worker(worker_id, reason)
+
+    def expire(self, now: float | None = None) -> list[Lease]:
+        with self.cond:
+            return self.ledger.expire(time.monotonic() if now is None else now)
+
+    def outstanding(self) -> collections.Counter[str]:
+        """Leases held per worker."""
+        with self.cond:
+            return collections.Counter(lease.worker_id for lease in self.ledger.leases.values())
+
+    def fail(self, error: BaseException) -> None:
+        """Called by the receiver thread when it dies: the trainer's next ``take`` re-raises it."""
+        with self.cond:
+            self._error = error
+            self.cond.notify_all()
+
+    def _update_peaks(self) -> None:
+        self.peak["groups_in_flight"] = max(self.peak["groups_in_flight"], self.groups_in_flight)
+        self.peak["buffered_bytes"] = max(self.peak["buffered_bytes"], self.buffered_bytes)
+
+    # -- trainer side --------------------------------------------------------------------------
+    def take(self, timeout: float) -> Group | None:
+        """The next fresh group, or None after ``timeout`` seconds.
+
+        Raises:
+            StopIteration: when every prompt of this rank's shard of the epoch has been consumed.
+        """
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                if self._error is not None:
+                    raise RuntimeError("rollout receiver failed") from self._error
+                while self._ready:
+                    index, group = self._ready.popitem(last=False)
+                    self.buffered_bytes -= group.nbytes
+                    if is_stale(group.policy_version, self.policy_version, self.max_staleness):
+                        self._drop_stale(index)
+                        continue
+                    self.ledger.consume(index)
+                    self.stats["groups_yielded"] += 1
+                    return group
+                if self.ledger.epoch_done:
+                    raise StopIteration
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self.cond.wait(remaining)
+
+    def _drop_stale(self, index: int) -> None:
+        self.ledger.requeue_stale(index)
+        self.stats["stale_dropped"] += 1
+
+    def set_policy_version(self, version: int) -> None:
+        """Tells the pool the trainer's current policy version; buffered groups now stale are dropped.
+
+        Raises:
+            ValueError: if ``version`` is lower than the current one.
+        """
+        with self.cond:
+            check_policy_version(version, self.policy_version)
+            self.policy_version = version
+            for index in [i for i, g in self._ready.items() if is_stale(g.policy_version, version, self.max_staleness)]:
+                self.buffered_bytes -= self._ready.pop(index).nbytes
+                self._drop_stale(index)
+
+    def start_epoch(self, epoch: int) -> None:
+        """Abandons whatever is left of the current epoch and starts ``epoch``."""
+        with self.cond:
+            self.min_lease_id = next(self.ledger._lease_ids)
+            self._ready.clear()
+            self._partial.clear()
+            self.buffered_bytes = 0
+            self.ledger.start_epoch(epoch)
+            self.active = True
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything not yet given to the trainer: ledger, buffered and partial groups, version."""
+        with self.cond:
+            return {
+                "version": self.STATE_VERSION,
+                "group_size": self.group_size,
+                "policy_version": self.policy_version,
+                "ledger": self.ledger.state_dict(),
+                "ready": [g.to_wire() for g in self._ready.values()],
+                "partial": [r.to_wire() for part in self._partial.values() for r in part.values()],
+                "stats": dict(self.stats),
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores a saved pool; leases outstanding at save time will be issued again.
+
+        Raises:
+            ValueError: if the state comes from another schema version or group size.
+        """
+        if state.get("version") != self.STATE_VERSION:
+            raise ValueError(f"pool state version {state.get('version')!r} != {self.STATE_VERSION}")
+        if state["group_size"] != self.group_size:
+            raise ValueError(f"pool state has group_size={state['group_size']} but this run has {self.group_size}")
+        with self.cond:
+            self.min_lease_id = next(self.ledger._lease_ids)
+            self.ledger.load_state_dict(state["ledger"])
+            self.policy_version = state["policy_version"]
+            self._ready.clear()
+            self._partial.clear()
+            for g in state["ready"]:
+                group = Group.from_wire(g, group_size=self.group_size)
+                self._ready[group.prompt_index] = group
+            for r in state["partial"]:
+                rollout = Rollout.from_wire(r)
+                self._partial.setdefault(rollout.prompt_index, {})[rollout.sample_index] = rollout
+            self.buffered_bytes = sum(g.nbytes for g in self._ready.values()) + sum(
+                r.nbytes for part in self._partial.values() for r in part.values()
+            )
+            self.stats = collections.Counter(state["stats"])
+            self.active = True
+            self.cond.notify_all()

@@ -1,0 +1,136 @@
+"""The two ends of the rollout channel, one abstract base per direction.
+
+``RolloutReceiver`` runs on the trainer side next to a :class:`~asyncrl.pool.RolloutPool`: it accepts
+workers, grants them leases against the pool's capacity (credit-based flow control), receives their
+groups and re-issues the leases of workers that die. ``RolloutSender`` runs in a worker process: it
+handshakes with one or more pools, queues the leases they grant and sends finished groups back on
+the connection each lease came from. One backend file implements both ends of its wire protocol
+(``zmq_transport.py``); :func:`setup_rollout_receiver` / :func:`setup_rollout_sender` pick it.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrl.config import TransportConfig
+from asyncrl.pool import RolloutPool
+from asyncrl.rollout import Group
+
+__all__ = [
+    "HandshakeTimeout",
+    "PeerLost",
+    "ReceivedLease",
+    "RolloutReceiver",
+    "RolloutSender",
+    "setup_rollout_receiver",
+    "setup_rollout_sender",
+]
+
+
+class HandshakeTimeout(TimeoutError):
+    """A worker got no WELCOME from a pool in time (``transport.handshake_timeout_s``)."""
+
+
+class PeerLost(ConnectionError):
+    """The other end stopped answering for longer than ``transport.peer_timeout_s``."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ReceivedLease:
+    """A lease as a worker sees it."""
+
+    conn: int
+    """Which pool connection it came from (send the group back there)."""
+    lease_id: int
+    epoch: int
+    prompt_index: int
+    group_size: int
+    prompt: Any
+    policy_version: int
+    """The trainer's policy version when the lease was granted."""
+
+
+class RolloutReceiver(abc.ABC):
+    """Trainer-side end: serves workers for one pool."""
+
+    @abc.abstractmethod
+    def start(self) -> str:
+        """Starts serving; returns the endpoint workers connect to (the real port when bound to 0)."""
+
+    @property
+    @abc.abstractmethod
+    def endpoint(self) -> str: ...
+
+    @abc.abstractmethod
+    def cancel_all(self) -> None:
+        """Tells every worker to drop the leases it queued (the pool was reset)."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Counters: messages, bad frames by reason, workers joined/lost."""
+
+    @abc.abstractmethod
+    def close(self, shutdown_workers: bool = True) -> None: ...
+
+
+class RolloutSender(abc.ABC):
+    """Worker-side end: receives leases from pools, sends groups back."""
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Connects and handshakes with every pool.
+
+        Raises:
+            HandshakeTimeout: naming ``transport.handshake_timeout_s``.
+        """
+
+    @abc.abstractmethod
+    def take_leases(self, max_leases: int, timeout: float) -> list[ReceivedLease]:
+        """Up to ``max_leases`` queued leases, waiting at most ``timeout`` seconds for the first.
+
+        Raises:
+            PeerLost: if every pool went silent.
+        """
+
+    @abc.abstractmethod
+    def send_group(self, lease: ReceivedLease, group: Group) -> None: ...
+
+    @abc.abstractmethod
+    def send_failed(self, lease: ReceivedLease, error: str) -> None: ...
+
+    @property
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """True once every pool said SHUTDOWN."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+def setup_rollout_receiver(
+    config: TransportConfig,
+    pool: RolloutPool,
+    prompt_fn: Callable[[int], Any],
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+) -> RolloutReceiver:
+    from asyncrl.transport.zmq_transport import ZmqRolloutReceiver
+
+    return ZmqRolloutReceiver(config, pool, prompt_fn, rank=rank, world_size=world_size)
+
+
+def setup_rollout_sender(
+    config: TransportConfig,
+    endpoints: Sequence[str],
+    *,
+    worker_id: str,
+    slots: int,
+    server_key: str | None = None,
+) -> RolloutSender:
+    from asyncrl.transport.zmq_transport import ZmqRolloutSender
+
+    return ZmqRolloutSender(config, endpoints, worker_id=worker_id, slots=slots, server_key=server_key)

@@ -1,0 +1,625 @@
+"""ZeroMQ backend of the rollout channel: both ends of the wire protocol.
+
+Topology: each trainer rank's pool binds one ROUTER; each worker connects one DEALER per pool it
+serves (M:N). Frames are :mod:`asyncrl.codec` messages (msgpack header + zero-copy tensor frames).
+
+Who blocks on what:
+
+* Pool side, :class:`ZmqRolloutReceiver`: one I/O thread owns the ROUTER. It polls with a short
+  timeout (``TICK_S``), decodes and checks every message (a bad one is counted and dropped, the
+  peer stays), feeds groups to the :class:`~asyncrl.pool.RolloutPool`, and on every tick grants
+  leases to workers with free credits, expires overdue leases, declares silent workers dead (their
+  leases go back to the ledger) and sends heartbeats. The trainer thread never touches the socket.
+* Worker side, :class:`ZmqRolloutSender`: one I/O thread owns the DEALERs and handles handshake,
+  heartbeats, leases and cancels; the worker's main thread blocks only in :meth:`take_leases` and
+  hands finished groups to the I/O thread over an ``inproc`` PUSH/PULL pair (zero-copy).
+
+Credit-based flow control: a worker announces ``slots`` in HELLO; the pool keeps at most that many
+leases outstanding per worker and at most ``capacity`` groups in flight overall, so a stalled
+trainer stops generation. Delivery is at-least-once (a lease can be re-issued); the pool
+deduplicates by uid.
+"""
+
+from __future__ import annotations
+
+import collections
+import ipaddress
+import logging
+import os
+import socket as pysocket
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import zmq
+
+from asyncrl.codec import DecodeError, decode, encode
+from asyncrl.config import TransportConfig
+from asyncrl.pool import RolloutPool
+from asyncrl.rollout import Group
+from asyncrl.transport import protocol as P
+from asyncrl.transport.base import HandshakeTimeout, PeerLost, ReceivedLease, RolloutReceiver, RolloutSender
+
+__all__ = ["ZmqRolloutReceiver", "ZmqRolloutSender", "check_bind_address", "generate_curve_keys"]
+
+logger = logging.getLogger(__name__)
+
+TICK_S = 0.005
+MAX_DRAIN = 256
+
+
+def generate_curve_keys() -> tuple[str, str]:
+    """A new CURVE ``(public, secret)`` key pair, Z85 text."""
+    public, secret = zmq.curve_keypair()
+    return public.decode(), secret.decode()
+
+
+def check_bind_address(config: TransportConfig) -> None:
+    """Refuses a non-loopback TCP bind without CURVE unless explicitly allowed.
+
+    Raises:
+        ValueError: naming the settings that fix it.
+    """
+    if not config.bind.startswith("tcp://"):
+        return
+    host = urlsplit(config.bind).hostname or ""
+    if host == "localhost":
+        return
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback and config.curve_secret_key is None and not config.allow_insecure_remote:
+        raise ValueError(
+            f"refusing to bind {config.bind!r} beyond loopback without authentication: set "
+            "transport.curve_secret_key/curve_public_key (asyncrl.transport.zmq_transport.generate_curve_keys) "
+            "or transport.allow_insecure_remote=True on a trusted network"
+        )
+
+
+@dataclass(slots=True)
+class _Peer:
+    identity: bytes
+    worker_id: str
+    slots: int
+    pid: int
+    host: str
+    joined: float
+    last_seen: float
+    groups: int = 0
+
+
+class ZmqRolloutReceiver(RolloutReceiver):
+    """Pool-side end: a ROUTER served by one I/O thread.
+
+    Args:
+        config: transport settings.
+        pool: the pool fed by this receiver.
+        prompt_fn: ``prompt_index -> prompt`` (msgpack-able), sent with each lease.
+        rank: the trainer rank of the pool.
+        world_size: number of trainer ranks.
+    """
+
+    def __init__(
+        self,
+        config: TransportConfig,
+        pool: RolloutPool,
+        prompt_fn: Callable[[int], Any],
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        check_bind_address(config)
+        self.config = config
+        self.pool = pool
+        self.prompt_fn = prompt_fn
+        self.rank = rank
+        self.world_size = world_size
+        self._ctx = zmq.Context()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._cancel = threading.Event()
+        self._shutdown_workers = True
+        self._endpoint: str | None = None
+        self._start_error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._counters: collections.Counter[str] = collections.Counter()
+        self._recent_errors: collections.deque[tuple[str, str]] = collections.deque(maxlen=32)
+        self._peers: dict[bytes, _Peer] = {}
+        self._finalizer = weakref.finalize(self, _stop_thread, self._stop)
+
+    # -- public --------------------------------------------------------------------------------
+    def start(self) -> str:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"asyncrl-receiver-rank{self.rank}", daemon=True)
+            self._thread.start()
+            if not self._ready.wait(30):
+                raise TimeoutError(f"rollout receiver did not bind {self.config.bind} within 30 s")
+            if self._start_error is not None:
+                raise RuntimeError(f"rollout receiver could not bind {self.config.bind!r}") from self._start_error
+        assert self._endpoint is not None
+        return self._endpoint
+
+    @property
+    def endpoint(self) -> str:
+        if self._endpoint is None:
+            raise RuntimeError("receiver not started; call start() first")
+        return self._endpoint
+
+    def cancel_all(self) -> None:
+        self._cancel.set()
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = dict(self._counters)
+            out["recent_errors"] = list(self._recent_errors)
+            out["workers"] = {
+                p.worker_id: {"pid": p.pid, "host": p.host, "slots": p.slots, "groups": p.groups}
+                for p in self._peers.values()
+            }
+        return out
+
+    def close(self, shutdown_workers: bool = True) -> None:
+        self._shutdown_workers = shutdown_workers
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+            if not self._thread.is_alive():
+                self._ctx.term()  # the I/O thread closed its socket
+        self._finalizer()
+
+    # -- I/O thread ----------------------------------------------------------------------------
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[key] += n
+
+    def _bad(self, identity: bytes, error: DecodeError) -> None:
+        with self._lock:
+            self._counters["bad_messages"] += 1
+            self._recent_errors.append((identity.hex(), str(error)[:300]))
+        if self._counters["bad_messages"] <= 10 or self._counters["bad_messages"] % 1000 == 0:
+            logger.warning("rank %d: rejected message from peer %s: %s", self.rank, identity.hex(), error)
+
+    def _open(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable sends raise instead of vanishing
+        sock.setsockopt(zmq.SNDHWM, self.config.hwm)
+        sock.setsockopt(zmq.RCVHWM, self.config.hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
+        if self.config.curve_secret_key is not None:
+            sock.curve_secretkey = self.config.curve_secret_key.encode()
+            sock.curve_publickey = self.config.curve_public_key.encode()  # type: ignore[union-attr]
+            sock.curve_server = True
+        sock.bind(self.config.bind)
+        return sock
+
+    def _run(self) -> None:
+        try:
+            sock = self._open()
+            self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except Exception as e:  # reported to start() in the caller's thread
+            self._start_error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._loop(sock)
+        except BaseException as e:  # thread boundary: the trainer's next() re-raises it
+            logger.exception("rank %d: rollout receiver died", self.rank)
+            self.pool.fail(e)
+        finally:
+            if self._shutdown_workers:
+                for identity in list(self._peers):
+                    self._send(sock, identity, P.SHUTDOWN, {})
+            sock.close(linger=0)
+
+    def _loop(self, sock: zmq.Socket) -> None:
+        next_heartbeat = 0.0
+        while not self._stop.is_set():
+            if sock.poll(int(TICK_S * 1000)):
+                for _ in range(MAX_DRAIN):
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(sock, frames)
+            now = time.monotonic()
+            if self._cancel.is_set():
+                self._cancel.clear()
+                for identity in list(self._peers):
+                    self._send(sock, identity, P.CANCEL, {})
+            self._count("leases_expired", len(self.pool.expire(now)))
+            self._reap(now)
+            if now >= next_heartbeat:
+                next_heartbeat = now + self.config.heartbeat_s
+                for identity in list(self._peers):
+                    self._send(sock, identity, P.HEARTBEAT, {"policy_version": self.pool.policy_version})
+            self._grant(sock, now)
+
+    def _send(self, sock: zmq.Socket, identity: bytes, kind: str, body: dict[str, Any]) -> bool:
+        try:
+            sock.send_multipart([identity, *encode(kind, body)], zmq.NOBLOCK, copy=False)
+            return True
+        except (zmq.Again, zmq.ZMQError) as e:  # peer gone (ROUTER_MANDATORY) or its queue is full
+            self._count(f"send_failed_{kind}")
+            logger.debug("rank %d: cannot send %s to %s: %s", self.rank, kind, identity.hex(), e)
+            return False
+
+    def _handle(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
+        identity = frames[0].bytes
+        self._count("messages")
+        try:
+            kind, body = decode(frames[1:], max_message_bytes=self.config.max_message_bytes)
+            P.check_body(kind, body, P.WORKER_KINDS)
+        except DecodeError as e:
+            self._bad(identity, e)
+            return
+        now = time.monotonic()
+        peer = self._peers.get(identity)
+        if peer is not None:
+            peer.last_seen = now
+        if kind == P.HELLO:
+            self._hello(sock, identity, body, now)
+        elif kind == P.GROUP:
+            self._group(sock, identity, peer, body)
+        elif kind == P.FAILED:
+            self._count("leases_failed")
+            logger.warning("rank %d: worker failed lease %d: %s", self.rank, body["lease_id"], body["error"][:500])
+            if peer is not None:
+                self.pool.release_held(body["lease_id"], peer.worker_id, "failed")
+        elif kind == P.BYE:
+            if peer is not None:
+                self._drop_peer(identity, "worker_left")
+        elif peer is None:  # heartbeat from a worker we declared dead or never met
+            self._send(sock, identity, P.RESYNC, {})
+
+    def _hello(self, sock: zmq.Socket, identity: bytes, body: dict[str, Any], now: float) -> None:
+        for other, p in list(self._peers.items()):
+            if p.worker_id == body["worker_id"] and other != identity:  # restarted process, same id
+                self._drop_peer(other, "worker_restarted")
+        if identity not in self._peers:
+            self._count("workers_joined")
+            logger.info("rank %d: worker %s joined (pid %d on %s)", self.rank, body["worker_id"], body["pid"], body["host"])
+        with self._lock:
+            self._peers[identity] = _Peer(
+                identity, body["worker_id"], body["slots"], body["pid"], body["host"][:128], now, now
+            )
+        self._send(
+            sock,
+            identity,
+            P.WELCOME,
+            {
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "group_size": self.pool.group_size,
+                "heartbeat_s": self.config.heartbeat_s,
+                "peer_timeout_s": self.config.peer_timeout_s,
+                "policy_version": self.pool.policy_version,
+            },
+        )
+
+    def _group(self, sock: zmq.Socket, identity: bytes, peer: _Peer | None, body: dict[str, Any]) -> None:
+        lease_id = body["lease_id"]
+        try:
+            group = Group.from_wire(body["group"], group_size=self.pool.group_size)
+        except DecodeError as e:
+            self._bad(identity, e)
+            if peer is not None:  # its lease is void: generate the prompt again elsewhere
+                self.pool.release_held(lease_id, peer.worker_id, "rejected")
+            return
+        accepted = self.pool.add_rollouts(group.rollouts, lease_id=lease_id)
+        self._count("groups_received")
+        if peer is None:
+            self._send(sock, identity, P.RESYNC, {})
+        else:
+            peer.groups += accepted > 0
+            self.pool.release_held(lease_id, peer.worker_id, "rejected")
+
+    def _drop_peer(self, identity: bytes, reason: str) -> None:
+        with self._lock:
+            peer = self._peers.pop(identity)
+            self._counters[reason] += 1
+        released = self.pool.release_worker(peer.worker_id, reason)
+        logger.info("rank %d: worker %s gone (%s); %d leases re-queued", self.rank, peer.worker_id, reason, len(released))
+
+    def _reap(self, now: float) -> None:
+        for identity, peer in list(self._peers.items()):
+            if now - peer.last_seen > self.config.peer_timeout_s:
+                self._drop_peer(identity, "workers_lost")
+
+    def _grant(self, sock: zmq.Socket, now: float) -> None:
+        if not self._peers:
+            return
+        held = self.pool.outstanding()
+        for identity, peer in list(self._peers.items()):
+            free = peer.slots - held[peer.worker_id]
+            if free <= 0:
+                continue
+            leases = self.pool.grant(peer.worker_id, free, now)
+            if not leases:
+                return  # pool is at capacity or has nothing pending: nobody else gets any either
+            body = {
+                "policy_version": self.pool.policy_version,
+                "leases": [
+                    {
+                        "lease_id": lease.lease_id,
+                        "epoch": lease.epoch,
+                        "prompt_index": lease.prompt_index,
+                        "attempt": lease.attempt,
+                        "group_size": self.pool.group_size,
+                        "prompt": self.prompt_fn(lease.prompt_index),
+                    }
+                    for lease in leases
+                ],
+            }
+            if not self._send(sock, identity, P.LEASES, body):
+                for lease in leases:
+                    self.pool.release(lease.lease_id, "undeliverable")
+            else:
+                self._count("leases_granted", len(leases))
+
+
+def _stop_thread(stop: threading.Event) -> None:
+    stop.set()
+
+
+class ZmqRolloutSender(RolloutSender):
+    """Worker-side end: one DEALER per pool, owned by an I/O thread.
+
+    Args:
+        config: transport settings (heartbeats, timeouts, limits).
+        endpoints: the pools to serve, one per trainer rank.
+        worker_id: unique name of this worker (the pool re-issues the leases of a reused id).
+        slots: credits per pool: leases held at once.
+        server_key: the pools' CURVE public key, when they use CURVE.
+    """
+
+    def __init__(
+        self,
+        config: TransportConfig,
+        endpoints: Sequence[str],
+        *,
+        worker_id: str,
+        slots: int,
+        server_key: str | None = None,
+    ):
+        if not endpoints:
+            raise ValueError("a worker needs at least one pool endpoint to connect to")
+        self.config = config
+        self.endpoints = list(endpoints)
+        self.worker_id = worker_id
+        self.slots = slots
+        self.server_key = server_key
+        self._ctx = zmq.Context()
+        self._out_addr = f"inproc://asyncrl-out-{id(self):x}"
+        self._cv = threading.Condition()
+        self._leases: collections.deque[ReceivedLease] = collections.deque()
+        self._welcomed = [False] * len(endpoints)
+        self._shutdown = [False] * len(endpoints)
+        self._lost = [False] * len(endpoints)
+        self._stop = threading.Event()
+        self._bound = threading.Event()
+        self._error: BaseException | None = None
+        self._pusher: zmq.Socket | None = None
+        self._thread: threading.Thread | None = None
+        self.policy_version = 0
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    # -- main thread ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"asyncrl-sender-{self.worker_id}", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + self.config.handshake_timeout_s
+        with self._cv:
+            while not all(self._welcomed) and self._error is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cv.wait(remaining)
+        if self._error is not None:
+            self.close()
+            raise self._error
+        if not all(self._welcomed):
+            missing = [e for e, ok in zip(self.endpoints, self._welcomed) if not ok]
+            self.close()
+            raise HandshakeTimeout(
+                f"worker {self.worker_id}: no WELCOME from {missing} within {self.config.handshake_timeout_s} s; "
+                "check the address and that the trainer is running (transport.handshake_timeout_s)"
+            )
+        self._bound.wait()
+        self._pusher = self._ctx.socket(zmq.PUSH)
+        self._pusher.setsockopt(zmq.LINGER, -1)
+        self._pusher.connect(self._out_addr)
+
+    def take_leases(self, max_leases: int, timeout: float) -> list[ReceivedLease]:
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while not self._leases and self._error is None and not self.done:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return []
+                self._cv.wait(remaining)
+            if self._error is not None:
+                raise self._error
+            out = []
+            while self._leases and len(out) < max_leases:
+                out.append(self._leases.popleft())
+            return out
+
+    def send_group(self, lease: ReceivedLease, group: Group) -> None:
+        self._push(lease.conn, encode(P.GROUP, {"lease_id": lease.lease_id, "group": group.to_wire()}))
+
+    def send_failed(self, lease: ReceivedLease, error: str) -> None:
+        self._push(lease.conn, encode(P.FAILED, {"lease_id": lease.lease_id, "error": error[:2000]}))
+
+    def _push(self, conn: int, frames: list) -> None:
+        if self._pusher is None:
+            raise RuntimeError("sender not started")
+        self._pusher.send_multipart([b"%d" % conn, *frames], copy=False)
+
+    @property
+    def done(self) -> bool:
+        return all(self._shutdown)
+
+    def close(self) -> None:
+        if self._pusher is not None:
+            self._pusher.close()  # LINGER -1: everything pushed reaches the I/O thread first
+            self._pusher = None
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+            if not self._thread.is_alive():
+                self._ctx.term()
+
+    # -- I/O thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        pull = self._ctx.socket(zmq.PULL)
+        pull.bind(self._out_addr)
+        self._bound.set()
+        dealers = [self._dealer(ep) for ep in self.endpoints]
+        try:
+            self._loop(pull, dealers)
+        except BaseException as e:  # thread boundary: take_leases() re-raises it in the main thread
+            logger.exception("worker %s: sender I/O thread died", self.worker_id)
+            with self._cv:
+                self._error = e
+                self._cv.notify_all()
+        finally:
+            self._drain(pull, dealers)
+            for i, d in enumerate(dealers):
+                if not self._shutdown[i] and not self._lost[i]:
+                    self._send(d, P.BYE, {})
+                d.close(linger=2000)  # let groups already queued reach the pool
+            pull.close(linger=0)
+
+    def _dealer(self, endpoint: str) -> zmq.Socket:
+        d = self._ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.SNDHWM, self.config.hwm)
+        d.setsockopt(zmq.RCVHWM, self.config.hwm)
+        d.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
+        if self.server_key is not None:
+            public, secret = zmq.curve_keypair()
+            d.curve_serverkey = self.server_key.encode()
+            d.curve_publickey, d.curve_secretkey = public, secret
+        d.connect(endpoint)
+        return d
+
+    def _hello(self, d: zmq.Socket) -> None:
+        body = {
+            "worker_id": self.worker_id,
+            "slots": self.slots,
+            "pid": os.getpid(),
+            "host": pysocket.gethostname(),
+            "protocol": P.PROTOCOL_VERSION,
+        }
+        self._send(d, P.HELLO, body)
+
+    def _send(self, d: zmq.Socket, kind: str, body: dict[str, Any]) -> None:
+        try:
+            d.send_multipart(encode(kind, body), zmq.NOBLOCK)
+        except zmq.Again:  # queue to that pool is full; heartbeats and hellos are retried anyway
+            self.counters[f"send_dropped_{kind}"] += 1
+
+    def _drain(self, pull: zmq.Socket, dealers: list[zmq.Socket]) -> None:
+        for _ in range(100_000):
+            try:
+                frames = pull.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            conn = int(frames[0].bytes)
+            dealers[conn].send_multipart(frames[1:], copy=False)  # blocks at HWM: backpressure to generation
+
+    def _loop(self, pull: zmq.Socket, dealers: list[zmq.Socket]) -> None:
+        poller = zmq.Poller()
+        poller.register(pull, zmq.POLLIN)
+        for d in dealers:
+            poller.register(d, zmq.POLLIN)
+        n = len(dealers)
+        now = time.monotonic()
+        last_seen = [now] * n
+        next_hello = [0.0] * n
+        next_heartbeat = now + self.config.heartbeat_s
+        while not self._stop.is_set():
+            events = dict(poller.poll(20))
+            if pull in events:
+                self._drain(pull, dealers)
+            now = time.monotonic()
+            for i, d in enumerate(dealers):
+                if d in events:
+                    for _ in range(MAX_DRAIN):
+                        try:
+                            frames = d.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        last_seen[i] = now
+                        self._lost[i] = False
+                        self._handle(i, d, frames)
+                if not self._welcomed[i] and now >= next_hello[i]:
+                    self._hello(d)
+                    next_hello[i] = now + self.config.heartbeat_s
+                if self._welcomed[i] and not self._shutdown[i] and now - last_seen[i] > self.config.peer_timeout_s:
+                    self._lost[i] = True
+            if now >= next_heartbeat:
+                next_heartbeat = now + self.config.heartbeat_s
+                for i, d in enumerate(dealers):
+                    if self._welcomed[i] and not self._shutdown[i]:
+                        self._send(d, P.HEARTBEAT, {})
+            live = [i for i in range(n) if not self._shutdown[i]]
+            if live and all(self._lost[i] for i in live):
+                raise PeerLost(
+                    f"worker {self.worker_id}: pools {[self.endpoints[i] for i in live]} silent for more than "
+                    f"{self.config.peer_timeout_s} s (transport.peer_timeout_s)"
+                )
+            if self.done:
+                with self._cv:
+                    self._cv.notify_all()
+
+    def _handle(self, conn: int, d: zmq.Socket, frames: list[zmq.Frame]) -> None:
+        try:
+            kind, body = decode(frames, max_message_bytes=self.config.max_message_bytes)
+            P.check_body(kind, body, P.POOL_KINDS)
+            leases = self._leases_of(conn, body) if kind == P.LEASES else []
+        except DecodeError as e:
+            self.counters["bad_messages"] += 1
+            logger.warning("worker %s: bad message from %s: %s", self.worker_id, self.endpoints[conn], e)
+            return
+        with self._cv:
+            if kind == P.WELCOME:
+                self._welcomed[conn] = True
+                self.policy_version = max(self.policy_version, body["policy_version"])
+            elif kind == P.LEASES:
+                self.policy_version = max(self.policy_version, body["policy_version"])
+                self._leases.extend(leases)
+            elif kind == P.HEARTBEAT:
+                pv = body.get("policy_version")
+                if isinstance(pv, int):
+                    self.policy_version = max(self.policy_version, pv)
+            elif kind == P.CANCEL:
+                kept = [lease for lease in self._leases if lease.conn != conn]
+                self.counters["leases_cancelled"] += len(self._leases) - len(kept)
+                self._leases = collections.deque(kept)
+            elif kind == P.RESYNC:
+                self._hello(d)
+            elif kind == P.SHUTDOWN:
+                self._shutdown[conn] = True
+            self._cv.notify_all()
+
+    def _leases_of(self, conn: int, body: dict[str, Any]) -> list[ReceivedLease]:
+        out = []
+        for item in body["leases"]:
+            if not isinstance(item, dict):
+                raise DecodeError("lease must be a map")
+            ints = {}
+            for key in ("lease_id", "epoch", "prompt_index", "group_size"):
+                value = item.get(key)
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise DecodeError(f"lease.{key} must be an int")
+                ints[key] = value
+            out.append(ReceivedLease(conn=conn, prompt=item.get("prompt"), policy_version=body["policy_version"], **ints))
+        return out

@@ -1,0 +1,190 @@
+"""``RolloutLoader``: the trainer-facing loader — a ``torchdata.nodes.Loader`` over rollouts.
+
+::
+
+    prompts ─► PromptLedger ─lease─► workers ══ZeroMQ══► receiver thread ─► RolloutPool
+                                                                               │
+    for batch in loader:  ◄── Mapper(collate) ◄── Batcher ◄── [GroupFilter] ◄── RolloutPoolNode
+
+Drop-in for a ``DataLoader``: ``for batch in loader`` yields padded tensor batches of whole groups;
+``state_dict()`` / ``load_state_dict()`` resume the whole rollout pipeline (ledger, leases,
+buffered rollouts, consumed watermark); ``set_policy_version(v)`` after each optimizer step tells
+the pool which rollouts are now too stale to yield.
+
+M:N: with ``world_size`` trainer ranks, each rank's loader owns shard ``rank`` of the prompt ledger
+and binds its own pool; when a process group exists the ranks exchange endpoints and every local
+worker connects to every rank's pool, so any worker can serve any rank while each rank still
+consumes only its own shard (disjoint by construction, resumable per rank with the same M).
+Shards are balanced by prompt token count when ``prompt_lengths`` is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+from torchdata.nodes import Batcher, Loader, Mapper
+
+from asyncrl.config import LoaderConfig
+from asyncrl.ledger import PromptLedger
+from asyncrl.pool import RolloutPool
+from asyncrl.rollout import Group
+from asyncrl.transport import RolloutReceiver, setup_rollout_receiver
+from datapipes.collate import TrainBatch, collate_groups
+from datapipes.filters import GroupFilter
+from datapipes.pool_node import RolloutPoolNode
+from workers.launcher import LocalWorkerLauncher
+
+__all__ = ["RolloutLoader"]
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutLoader(Loader[TrainBatch]):
+    """A resumable loader of rollout batches for one trainer rank.
+
+    Args:
+        prompts: the dataset: a sequence of msgpack-able items (``{"prompt_ids": [...]}``, ``{"text": ...}``,
+            or any dict your engine understands), indexed by ``prompt_index``.
+        config: loader settings; keyword ``overrides`` replace its fields.
+        rank: this trainer rank (default: from ``torch.distributed`` if initialised, else 0).
+        world_size: number of trainer ranks (default: likewise, else 1).
+        group_filter: optional predicate; groups for which it is False are dropped (counted).
+        collate_fn: ``list[Group] -> batch``; default :func:`~datapipes.collate.collate_groups`.
+        prompt_lengths: optional prompt token counts, to balance rank shards by tokens.
+        **overrides: fields of :class:`~asyncrl.config.LoaderConfig`.
+    """
+
+    def __init__(
+        self,
+        prompts: Sequence[Any],
+        config: LoaderConfig | None = None,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        group_filter: Callable[[Group], bool] | None = None,
+        collate_fn: Callable[[list[Group]], Any] = collate_groups,
+        prompt_lengths: Sequence[int] | None = None,
+        **overrides: Any,
+    ):
+        config = dataclasses.replace(config or LoaderConfig(), **overrides)
+        distributed = dist.is_available() and dist.is_initialized()
+        rank = rank if rank is not None else (dist.get_rank() if distributed else 0)
+        world_size = world_size if world_size is not None else (dist.get_world_size() if distributed else 1)
+        self.config = config
+        self.rank, self.world_size = rank, world_size
+        self.prompts = prompts
+        ledger = PromptLedger(
+            len(prompts),
+            seed=config.seed,
+            rank=rank,
+            world_size=world_size,
+            lease_timeout_s=config.lease_timeout_s,
+            shuffle=config.shuffle,
+            prompt_lengths=prompt_lengths,
+            drop_remainder=config.drop_remainder,
+        )
+        self.pool = RolloutPool(
+            ledger,
+            group_size=config.group_size,
+            capacity=config.capacity,
+            max_staleness=config.max_staleness,
+            max_buffer_bytes=config.max_buffer_bytes,
+        )
+        self.receiver: RolloutReceiver = setup_rollout_receiver(
+            config.transport, self.pool, prompts.__getitem__, rank=rank, world_size=world_size
+        )
+        self.endpoints = self._exchange_endpoints(self.receiver.start(), distributed)
+        self.launcher: LocalWorkerLauncher | None = None
+        if config.num_workers > 0:
+            targets = self.endpoints if config.serve_all_ranks else [self.endpoint]
+            self.launcher = LocalWorkerLauncher(
+                targets, config.num_workers, config.worker, config.transport, name=f"r{rank}w"
+            )
+            self.launcher.start()
+        self.pool_node = RolloutPoolNode(
+            self.pool,
+            self.receiver,
+            poll_timeout_s=config.poll_timeout_s,
+            wait_timeout_s=config.wait_timeout_s,
+            health_check=self._health_check,
+        )
+        node = GroupFilter(self.pool_node, group_filter) if group_filter is not None else self.pool_node
+        node = Mapper(Batcher(node, config.batch_size, drop_last=False), collate_fn)
+        super().__init__(node, restart_on_stop_iteration=True)
+        self._finalizer = weakref.finalize(self, _close, self.receiver, self.launcher)
+
+    def _exchange_endpoints(self, endpoint: str, distributed: bool) -> list[str]:
+        if not distributed or self.world_size == 1:
+            return [endpoint]
+        endpoints: list[Any] = [None] * self.world_size
+        dist.all_gather_object(endpoints, endpoint)
+        return [str(e) for e in endpoints]
+
+    def _health_check(self) -> None:
+        if self.launcher is None:
+            return
+        self.launcher.poll(restart=self.config.restart_workers)
+        if self.launcher.alive() == 0:
+            raise RuntimeError(
+                f"rank {self.rank}: all {self.config.num_workers} local rollout workers are dead and none can be "
+                f"restarted (restarts used: {self.launcher.restarts}); see their stderr above"
+            )
+
+    @property
+    def endpoint(self) -> str:
+        """This rank's pool address: workers started elsewhere connect here (``asyncrl worker --connect``)."""
+        return self.receiver.endpoint
+
+    @property
+    def policy_version(self) -> int:
+        return self.pool.policy_version
+
+    def set_policy_version(self, version: int) -> None:
+        """Tells the pipeline the trainer's policy version (call after each committed update).
+
+        Raises:
+            ValueError: if ``version`` is lower than the current one.
+        """
+        self.pool.set_policy_version(version)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of the pool, ledger and transport (for logs and metrics)."""
+        with self.pool.cond:
+            pool = dict(self.pool.stats)
+            ledger = dict(self.pool.ledger.counters)
+            peak = dict(self.pool.peak)
+            in_flight = self.pool.groups_in_flight
+            buffered_bytes = self.pool.buffered_bytes
+            epoch, consumed = self.pool.ledger.epoch, self.pool.ledger.num_consumed
+        return {
+            "epoch": epoch,
+            "consumed": consumed,
+            "policy_version": self.pool.policy_version,
+            "groups_in_flight": in_flight,
+            "buffered_bytes": buffered_bytes,
+            "peak": peak,
+            "pool": pool,
+            "ledger": ledger,
+            "transport": self.receiver.stats(),
+        }
+
+    def close(self) -> None:
+        """Stops the receiver (workers are told to shut down) and ends local workers."""
+        self._finalizer()
+
+    def __enter__(self) -> RolloutLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _close(receiver: RolloutReceiver, launcher: LocalWorkerLauncher | None) -> None:
+    receiver.close(shutdown_workers=True)
+    if launcher is not None:
+        launcher.shutdown(timeout=10)

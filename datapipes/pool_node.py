@@ -1,0 +1,96 @@
+"""``RolloutPoolNode``: the rollout pool as a ``torchdata.nodes.BaseNode`` yielding whole groups.
+
+It is the source node of a trainer rank's loader graph. ``next()`` blocks on the pool's condition
+(in slices of ``poll_timeout_s``, checking worker health in between) until a fresh group is ready;
+it raises ``StopIteration`` once every prompt of this rank's shard of the epoch has been consumed.
+``get_state()`` is the pool's state: ledger cursor, leases outstanding (saved as prompts to
+re-issue), buffered and partial groups, consumed watermark and policy version. It owns every
+rollout not yet given to the trainer, so nothing above it may prefetch (see the torchdata notes:
+a Prefetcher over a live source loses what it buffered on restore).
+
+``reset(None)`` starts the next epoch (the first call starts epoch 0); ``reset(state)`` continues
+the saved run, in this process or a new one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torchdata.nodes import BaseNode
+
+from asyncrl.pool import RolloutPool
+from asyncrl.rollout import Group
+from asyncrl.transport import RolloutReceiver
+
+__all__ = ["RolloutPoolNode"]
+
+
+class RolloutPoolNode(BaseNode[Group]):
+    """Yields fresh, whole groups from a :class:`~asyncrl.pool.RolloutPool`.
+
+    Args:
+        pool: the rank's pool.
+        receiver: the transport feeding the pool (started on first reset).
+        poll_timeout_s: wait slice between health checks.
+        wait_timeout_s: raise if no group arrives for this long (None: wait forever).
+        health_check: called between waits (e.g. restart dead local workers); may raise.
+    """
+
+    STATE_VERSION = 1
+    POOL_KEY = "pool"
+    VERSION_KEY = "version"
+
+    def __init__(
+        self,
+        pool: RolloutPool,
+        receiver: RolloutReceiver,
+        *,
+        poll_timeout_s: float = 1.0,
+        wait_timeout_s: float | None = None,
+        health_check: Callable[[], None] | None = None,
+    ):
+        super().__init__()
+        self.pool = pool
+        self.receiver = receiver
+        self.poll_timeout_s = poll_timeout_s
+        self.wait_timeout_s = wait_timeout_s
+        self.health_check = health_check
+        self._epochs_started = 0
+
+    def reset(self, initial_state: dict[str, Any] | None = None):
+        super().reset(initial_state)
+        self.receiver.start()
+        if initial_state is not None:
+            if initial_state.get(self.VERSION_KEY) != self.STATE_VERSION:
+                raise ValueError(
+                    f"rollout pool node state version {initial_state.get(self.VERSION_KEY)!r} != {self.STATE_VERSION}"
+                )
+            self.pool.load_state_dict(initial_state[self.POOL_KEY])
+        elif self._epochs_started == 0:
+            self.pool.start_epoch(self.pool.ledger.epoch)
+        else:
+            self.pool.start_epoch(self.pool.ledger.epoch + 1)
+        self._epochs_started += 1
+        self.receiver.cancel_all()  # leases queued at workers belong to the abandoned timeline
+
+    def next(self) -> Group:
+        waited_since = time.monotonic()
+        next_check = waited_since + self.poll_timeout_s
+        while True:
+            group = self.pool.take(timeout=self.poll_timeout_s)  # raises StopIteration at epoch end
+            if group is not None:
+                return group
+            now = time.monotonic()
+            if self.health_check is not None and now >= next_check:
+                self.health_check()
+                next_check = now + self.poll_timeout_s
+            if self.wait_timeout_s is not None and now - waited_since > self.wait_timeout_s:
+                raise TimeoutError(
+                    f"no rollout group arrived for {self.wait_timeout_s} s (loader.wait_timeout_s); "
+                    f"receiver stats: {self.receiver.stats()}"
+                )
+
+    def get_state(self) -> dict[str, Any]:
+        return {self.VERSION_KEY: self.STATE_VERSION, self.POOL_KEY: self.pool.state_dict()}

@@ -1,0 +1,1 @@
+"""Process roles: the rollout worker loop, engines, rewards, and the local launcher."""

@@ -1,0 +1,69 @@
+"""The engine interface: the generation backend inside a rollout worker.
+
+An engine turns leased prompts into ``n`` completions each, with the logprob of every sampled
+token and the policy version(s) that produced them. Engines are synchronous: the worker's main
+thread blocks in :meth:`Engine.generate` while its I/O thread keeps heartbeats going.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["Completion", "Engine", "GenerationRequest", "build_engine"]
+
+
+@dataclass(kw_only=True, slots=True)
+class GenerationRequest:
+    """One leased prompt to complete ``n`` times."""
+
+    epoch: int
+    prompt_index: int
+    prompt: Any
+    """The dataset item as sent by the pool (``{"prompt_ids": [...]}`` or ``{"text": ...}``)."""
+    n: int
+
+
+@dataclass(kw_only=True, slots=True)
+class Completion:
+    """One sampled response."""
+
+    prompt_ids: torch.Tensor
+    response_ids: torch.Tensor
+    logprobs: torch.Tensor
+    finish_reason: str
+    policy_version: int
+    version_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    loss_mask: torch.Tensor | None = None
+
+
+class Engine(abc.ABC):
+    """A generation backend."""
+
+    follows_pool_version: bool = False
+    """True for engines without real weights (the fake engine): they adopt the trainer's policy version
+    announced by the pool instead of receiving weights."""
+
+    policy_version: int = 0
+
+    @abc.abstractmethod
+    def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
+        """Completes each request ``request.n`` times; returns one list per request."""
+
+    def set_policy_version(self, version: int) -> None:
+        self.policy_version = version
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Releases engine resources."""
+
+
+def build_engine(config: Any) -> Engine:
+    """The engine for an :class:`~asyncrl.config.EngineConfig`, imported lazily."""
+    if config.type == "fake":
+        from workers.engines.fake import FakeEngine
+
+        return FakeEngine(config)
+    raise ValueError(f"unknown engine.type={config.type!r}; choose one of ['fake']")
