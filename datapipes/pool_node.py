@@ -58,6 +58,7 @@ class RolloutPoolNode(BaseNode[Group]):
         self.wait_timeout_s = wait_timeout_s
         self.health_check = health_check
         self._epochs_started = 0
+        self._next_check = 0.0
 
     def reset(self, initial_state: dict[str, Any] | None = None):
         super().reset(initial_state)
@@ -75,17 +76,19 @@ class RolloutPoolNode(BaseNode[Group]):
         self._epochs_started += 1
         self.receiver.cancel_all()  # leases queued at workers belong to the abandoned timeline
 
+    def _maybe_check_health(self, now: float) -> None:
+        if self.health_check is not None and now >= self._next_check:
+            self._next_check = now + self.poll_timeout_s
+            self.health_check()
+
     def next(self) -> Group:
         waited_since = time.monotonic()
-        next_check = waited_since + self.poll_timeout_s
         while True:
+            self._maybe_check_health(time.monotonic())
             group = self.pool.take(timeout=self.poll_timeout_s)  # raises StopIteration at epoch end
             if group is not None:
                 return group
             now = time.monotonic()
-            if self.health_check is not None and now >= next_check:
-                self.health_check()
-                next_check = now + self.poll_timeout_s
             if self.wait_timeout_s is not None and now - waited_since > self.wait_timeout_s:
                 raise TimeoutError(
                     f"no rollout group arrived for {self.wait_timeout_s} s (loader.wait_timeout_s); "

@@ -1,0 +1,495 @@
+"""Data-plane throughput: rollouts/s and MB/s delivered to one consumer, asyncrl against baselines.
+
+Payload: 1k-token rollouts (64 prompt tokens, exactly 1024 response tokens from the fake engine with
+``min_new_tokens = max_new_tokens = 1024`` and no simulated decode time) in groups of 4, produced by N
+processes (``--workers``, default 2). Bytes are the payload: ``nbytes`` of prompt_ids + response_ids +
+logprobs per rollout (8448 B); 1 MB = 1e6 B. Paths, all measured in this one run:
+
+  asyncrl           ``RolloutLoader(num_workers=N)``, the full path: worker processes (fake engine +
+                    fake_reward), ZeroMQ ROUTER/DEALER with leases and credits, codec decode +
+                    ``Group.from_wire`` validation, pool (ledger, dedup, versions), torchdata Batcher +
+                    ``collate_groups``. The consumer is a ``for batch in loader`` loop.
+  mp_queue          the baseline: N spawn processes run the same worker step (``RolloutWorker.step``:
+                    fake engine, fake_reward, ``Rollout.validate``) and put each ``Group`` on a
+                    ``multiprocessing.Queue(maxsize=capacity)``; torch's ForkingPickler reductions move
+                    the tensors through shared memory, as in a DataLoader. The consumer gets
+                    ``batch_size`` groups and calls ``collate_groups``: the same consumer work as asyncrl.
+  mp_queue_bytes    the same, but each group is put as plain ``pickle.dumps(group, protocol=5)`` bytes.
+  zmq_raw           the transport's limit: N processes pre-encode ONE group with ``asyncrl.codec.encode``
+                    and send its frames in a loop (PUSH, ``copy=False``) to a PULL on tcp://127.0.0.1:0;
+                    the consumer receives and decodes (no validation, ledger or collate).
+  zmq_raw_nodecode  the same without decode.
+
+Each path starts its producers, waits for the first delivery (start-up stays outside the clock) and then
+measures ``--repeats`` back-to-back windows of ``--seconds``. The JSON in ``benchmarks/results/`` has
+config, machine, commit, date, median/min/max per path, the CPU time each role spent per rollout
+during the windows, and the ratios asyncrl/mp_queue and asyncrl/zmq_raw.
+
+    .venv/bin/python -m benchmarks.data_plane [--workers 2] [--seconds 8] [--repeats 3] [--paths asyncrl,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import multiprocessing as mp
+import os
+import pickle
+import platform
+import queue as queue_lib
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+from tqdm import tqdm
+
+from asyncrl.codec import decode, encode
+from asyncrl.config import EngineConfig, LoaderConfig, WorkerConfig
+from asyncrl.rollout import Group
+from asyncrl.transport import ReceivedLease, RolloutSender
+from datapipes.collate import TrainBatch, collate_groups
+from datapipes.loader import RolloutLoader
+from workers.engines.fake import FakeEngine
+from workers.rewards import fake_reward
+from workers.worker import RolloutWorker
+
+PROMPT_TOKENS = 64
+RESPONSE_TOKENS = 1024
+GROUP_SIZE = 4
+VOCAB = 32000
+MB = 1e6
+PAYLOAD_BYTES_KEY = "payload_bytes"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+ENGINE = EngineConfig(min_new_tokens=RESPONSE_TOKENS, max_new_tokens=RESPONSE_TOKENS, seconds_per_token=0.0)
+TARGETS = {"asyncrl/mp_queue": 2.0, "asyncrl/zmq_raw": 0.75}
+Step = Callable[[], tuple[int, int]]  # consumes one delivery -> (rollouts, payload bytes)
+
+
+# -- payload -------------------------------------------------------------------------------------
+def make_prompt(index: int) -> dict[str, list[int]]:
+    return {"prompt_ids": [(index * 7919 + k) % VOCAB for k in range(PROMPT_TOKENS)]}
+
+
+class Prompts(Sequence):
+    """A lazy dataset of ``n`` prompts of ``PROMPT_TOKENS`` ids (large ``n`` costs no memory)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:  # type: ignore[override]
+        if not 0 <= index < self.n:
+            raise IndexError(index)
+        return make_prompt(index)
+
+
+def payload_bytes(group: Group) -> int:
+    return sum(r.prompt_ids.nbytes + r.response_ids.nbytes + r.logprobs.nbytes for r in group.rollouts)
+
+
+def collate_counting(groups: list[Group]) -> TrainBatch:
+    """``collate_groups`` plus the payload bytes delivered: the consumer work of every collating path."""
+    batch = collate_groups(groups)
+    batch[PAYLOAD_BYTES_KEY] = sum(payload_bytes(g) for g in groups)
+    return batch
+
+
+class CallbackSender(RolloutSender):
+    """A sender that hands each finished group to ``deliver``: runs the real worker step off ZeroMQ."""
+
+    def __init__(self, deliver: Callable[[Group], None]):
+        self.deliver = deliver
+
+    def start(self) -> None:
+        pass
+
+    def take_leases(self, max_leases: int, timeout: float) -> list[ReceivedLease]:
+        return []
+
+    def send_group(self, lease: ReceivedLease, group: Group) -> None:
+        self.deliver(group)
+
+    def send_failed(self, lease: ReceivedLease, error: str) -> None:
+        raise RuntimeError(f"lease {lease.lease_id} failed: {error}")
+
+    @property
+    def done(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+def make_worker(worker_id: str, deliver: Callable[[Group], None]) -> RolloutWorker:
+    torch.set_num_threads(1)  # as LocalWorkerLauncher's OMP_NUM_THREADS=1
+    engine = FakeEngine(ENGINE)
+    return RolloutWorker(worker_id, engine, fake_reward, CallbackSender(deliver), max_batch=WorkerConfig().max_batch)
+
+
+def make_lease(prompt_index: int) -> ReceivedLease:
+    return ReceivedLease(
+        conn=0,
+        lease_id=prompt_index + 1,
+        epoch=0,
+        prompt_index=prompt_index,
+        group_size=GROUP_SIZE,
+        prompt=make_prompt(prompt_index),
+        policy_version=0,
+    )
+
+
+def lease_batches(rank: int, world: int, max_batch: int, num_prompts: int) -> Iterator[list[ReceivedLease]]:
+    """Endless batches of leases for prompts ``rank, rank + world, ...``: the ledger's job in asyncrl."""
+    k = rank
+    while True:
+        batch = []
+        for _ in range(max_batch):
+            batch.append(make_lease(k % num_prompts))
+            k += world
+        yield batch
+
+
+def build_group(prompt_index: int) -> Group:
+    """One group exactly as a worker builds it."""
+    out: list[Group] = []
+    make_worker("ref", out.append).step([make_lease(prompt_index)])
+    return out[0]
+
+
+# -- producers (spawned processes) ---------------------------------------------------------------
+def mp_queue_producer(rank: int, world: int, num_prompts: int, as_bytes: bool, queue: Any, stop: Any) -> None:
+    """Baseline producer: the real worker step, then ``Queue.put`` of each group."""
+    queue.cancel_join_thread()  # exit without flushing: the consumer stops reading at the end
+
+    def deliver(group: Group) -> None:
+        item = pickle.dumps(group, protocol=5) if as_bytes else group
+        while not stop.is_set():
+            try:
+                queue.put(item, timeout=0.2)
+                return
+            except queue_lib.Full:
+                continue
+
+    worker = make_worker(f"mpq-{rank}", deliver)
+    for leases in lease_batches(rank, world, worker.max_batch, num_prompts):
+        if stop.is_set():
+            return
+        worker.step(leases)
+
+
+def zmq_producer(rank: int, endpoint: str, stop: Any) -> None:
+    """Transport-limit producer: one group encoded once, its frames sent in a loop."""
+    frames = encode("group", build_group(rank).to_wire())
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, 200)  # a blocked send re-checks the stop event
+    sock.connect(endpoint)
+    try:
+        while not stop.is_set():
+            for _ in range(64):
+                try:
+                    sock.send_multipart(frames, copy=False)
+                except zmq.Again:
+                    break
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def stop_processes(procs: list[Any], stop: Any, timeout: float = 10.0) -> None:
+    """Ends the processes this benchmark started: stop event and join, then terminate/kill by pid."""
+    stop.set()
+    deadline = time.monotonic() + timeout
+    started = [p for p in procs if p.pid is not None]
+    for p in started:
+        p.join(max(deadline - time.monotonic(), 0.0))
+    for p in started:
+        if p.is_alive():
+            p.terminate()
+            p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+# -- measurement ---------------------------------------------------------------------------------
+def cpu_seconds(pid: int, tid: int | None = None) -> float | None:
+    """user + system CPU seconds of a process (or one of its threads), from /proc; None elsewhere."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    try:
+        with open(path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_snapshot(producer_pids: list[int]) -> dict[str, float | None]:
+    me = os.getpid()
+    producers = [cpu_seconds(pid) for pid in producer_pids]
+    return {
+        "consumer_main_thread": cpu_seconds(me, threading.main_thread().native_id),
+        "consumer_process": cpu_seconds(me),
+        "producers": None if None in producers else sum(producers),  # type: ignore[arg-type]
+    }
+
+
+def measure(step: Step, args: argparse.Namespace, name: str, producer_pids: list[int]) -> dict[str, Any]:
+    """``--repeats`` back-to-back windows of ``--seconds``; ``step`` consumes one delivery."""
+    windows, total_rollouts = [], 0
+    cpu0 = cpu_snapshot(producer_pids)
+    bar = tqdm(total=args.repeats * args.seconds, desc=f"{name:>16}", unit="s", leave=False, bar_format="{l_bar}{bar}| {postfix}")
+    for _ in range(args.repeats):
+        rollouts = nbytes = 0
+        t0 = now = time.perf_counter()
+        next_tick = t0 + 0.5
+        while now - t0 < args.seconds:
+            r, b = step()
+            rollouts, nbytes, now = rollouts + r, nbytes + b, time.perf_counter()
+            if now >= next_tick:
+                next_tick = now + 0.5
+                bar.n = round(len(windows) * args.seconds + min(now - t0, args.seconds), 1)
+                bar.set_postfix_str(f"{rollouts / (now - t0):,.0f} rollouts/s")
+        elapsed = now - t0
+        windows.append({"seconds": elapsed, "rollouts": rollouts, "bytes": nbytes,
+                        "rollouts_per_s": rollouts / elapsed, "mb_per_s": nbytes / elapsed / MB})
+        total_rollouts += rollouts
+    bar.close()
+    cpu1 = cpu_snapshot(producer_pids)
+    cpu = {k: None if cpu0[k] is None or cpu1[k] is None else cpu1[k] - cpu0[k] for k in cpu0}
+    return summarize(windows, cpu, total_rollouts)
+
+
+def stats(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarize(windows: list[dict[str, Any]], cpu: dict[str, float | None], total_rollouts: int) -> dict[str, Any]:
+    per_rollout = {k: None if v is None else v / max(total_rollouts, 1) * 1e6 for k, v in cpu.items()}
+    return {
+        "rollouts_per_s": stats([w["rollouts_per_s"] for w in windows]),
+        "mb_per_s": stats([w["mb_per_s"] for w in windows]),
+        "cpu_s": cpu,
+        "cpu_us_per_rollout": per_rollout,
+        "windows": windows,
+    }
+
+
+# -- the paths -----------------------------------------------------------------------------------
+def loader_batches(loader: RolloutLoader) -> Iterator[TrainBatch]:
+    """Batches across epoch ends (each ``for`` over the loader starts the next epoch)."""
+    while True:
+        yield from loader
+
+
+def run_asyncrl(args: argparse.Namespace) -> dict[str, Any]:
+    config = LoaderConfig(
+        group_size=GROUP_SIZE,
+        batch_size=args.batch_size,
+        max_staleness=None,
+        capacity=args.capacity,
+        num_workers=args.workers,
+        wait_timeout_s=120,
+        worker=WorkerConfig(engine=ENGINE, slots=args.slots, max_batch=args.max_batch),
+    )
+    loader = RolloutLoader(Prompts(args.prompts), config, collate_fn=collate_counting)
+    try:
+        batches = loader_batches(loader)
+
+        def step() -> tuple[int, int]:
+            batch = next(batches)
+            return len(batch["uids"]), batch[PAYLOAD_BYTES_KEY]
+
+        step()  # warm-up: worker start-up and the first batch stay outside the clock
+        assert loader.launcher is not None
+        result = measure(step, args, "asyncrl", [pid for pid in loader.launcher.pids if pid is not None])
+        stats_ = loader.stats()
+        result["loader_stats"] = {k: stats_[k] for k in ("epoch", "pool", "ledger", "peak")}
+    finally:
+        loader.close()
+    return result
+
+
+def run_mp_queue(args: argparse.Namespace, *, as_bytes: bool) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    queue, stop = ctx.Queue(maxsize=args.capacity), ctx.Event()
+    procs = [
+        ctx.Process(target=mp_queue_producer, args=(rank, args.workers, args.prompts, as_bytes, queue, stop), daemon=True)
+        for rank in range(args.workers)
+    ]
+    try:
+        for p in procs:
+            p.start()
+
+        def step() -> tuple[int, int]:
+            items = [queue.get(timeout=120) for _ in range(args.batch_size)]
+            batch = collate_counting([pickle.loads(x) for x in items] if as_bytes else items)
+            return len(batch["uids"]), batch[PAYLOAD_BYTES_KEY]
+
+        step()
+        return measure(step, args, "mp_queue_bytes" if as_bytes else "mp_queue", [p.pid for p in procs])
+    finally:
+        stop_processes(procs, stop)  # producers never block: put() has a timeout, no flush at exit
+        queue.close()
+        queue.join_thread()
+
+
+def run_zmq_raw(args: argparse.Namespace, *, do_decode: bool) -> dict[str, Any]:
+    ref_bytes = payload_bytes(build_group(0))  # every message carries one group of this size
+    zctx = zmq.Context()
+    pull = zctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    pull.setsockopt(zmq.RCVTIMEO, 120_000)
+    pull.bind("tcp://127.0.0.1:0")
+    endpoint = pull.getsockopt_string(zmq.LAST_ENDPOINT)
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    procs = [ctx.Process(target=zmq_producer, args=(rank, endpoint, stop), daemon=True) for rank in range(args.workers)]
+    try:
+        for p in procs:
+            p.start()
+
+        def step() -> tuple[int, int]:
+            frames = pull.recv_multipart(copy=False)
+            if not do_decode:
+                return GROUP_SIZE, ref_bytes
+            rollouts = decode(frames)[1]["rollouts"]
+            return len(rollouts), sum(r["prompt_ids"].nbytes + r["response_ids"].nbytes + r["logprobs"].nbytes for r in rollouts)
+
+        step()
+        return measure(step, args, "zmq_raw" if do_decode else "zmq_raw_nodecode", [p.pid for p in procs])
+    finally:
+        stop_processes(procs, stop)
+        pull.close(linger=0)
+        zctx.term()
+
+
+PATHS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "asyncrl": run_asyncrl,
+    "mp_queue": partial(run_mp_queue, as_bytes=False),
+    "mp_queue_bytes": partial(run_mp_queue, as_bytes=True),
+    "zmq_raw": partial(run_zmq_raw, do_decode=True),
+    "zmq_raw_nodecode": partial(run_zmq_raw, do_decode=False),
+}
+
+
+# -- report --------------------------------------------------------------------------------------
+def git_commit() -> str | None:
+    """HEAD's commit, read from ``.git`` (what ``git rev-parse HEAD`` prints); None outside a checkout."""
+    git = Path(__file__).resolve().parent.parent / ".git"
+    try:
+        head = (git / "HEAD").read_text().strip()
+        if not head.startswith("ref: "):
+            return head
+        ref = head.removeprefix("ref: ")
+        if (git / ref).is_file():
+            return (git / ref).read_text().strip()
+        for line in (git / "packed-refs").read_text().splitlines():
+            if line.endswith(f" {ref}"):
+                return line.split()[0]
+    except OSError:
+        pass
+    return None
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "pyzmq": zmq.__version__,
+        "libzmq": zmq.zmq_version(),
+        "git_commit": git_commit(),
+    }
+
+
+def ratios(metrics: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``asyncrl / baseline`` of median rollouts/s, with the targets where one is set."""
+    if "asyncrl" not in metrics:
+        return {}
+    ours = metrics["asyncrl"]["rollouts_per_s"]["median"]
+    out = {}
+    for name, m in metrics.items():
+        if name != "asyncrl":
+            key = f"asyncrl/{name}"
+            value = ours / m["rollouts_per_s"]["median"]
+            out[key] = {"value": value, "target": TARGETS.get(key), "met": value >= TARGETS[key] if key in TARGETS else None}
+    return out
+
+
+def write_json(report: dict[str, Any]) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"data_plane-{report['date'][:10]}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, path)  # atomic: a reader never sees half a file
+    return path
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(f"\n{'path':<18}{'rollouts/s median (min-max)':>32}{'MB/s median (min-max)':>28}")
+    for name, m in report["metrics"].items():
+        r, b = m["rollouts_per_s"], m["mb_per_s"]
+        print(f"{name:<18}{r['median']:>14,.0f} ({r['min']:,.0f}-{r['max']:,.0f}){b['median']:>14,.1f} ({b['min']:,.1f}-{b['max']:,.1f})")
+    for key, r in report["ratios"].items():
+        target = "" if r["target"] is None else f"  target >= {r['target']}x: {'met' if r['met'] else 'MISSED'}"
+        print(f"{key:<28}{r['value']:>6.2f}x{target}")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", type=int, default=2, help="producer processes per path")
+    p.add_argument("--seconds", type=float, default=8.0, help="length of one timed window")
+    p.add_argument("--repeats", type=int, default=3, help="timed windows per path")
+    p.add_argument("--batch-size", type=int, default=8, help="groups per collated batch")
+    p.add_argument("--capacity", type=int, default=64, help="asyncrl pool capacity and mp.Queue maxsize")
+    p.add_argument("--prompts", type=int, default=200_000, help="dataset size (large: no epoch end in a run)")
+    p.add_argument("--slots", type=int, default=WorkerConfig().slots, help="asyncrl worker credits per pool")
+    p.add_argument("--max-batch", type=int, default=WorkerConfig().max_batch, help="leases per engine call")
+    p.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {list(PATHS)}")
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/data_plane-DATE.json)")
+    args = p.parse_args(argv)
+    args.paths = [s for s in args.paths.split(",") if s]
+    unknown = set(args.paths) - set(PATHS)
+    if unknown:
+        p.error(f"unknown --paths {sorted(unknown)}; choose from {list(PATHS)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    config.update(prompt_tokens=PROMPT_TOKENS, response_tokens=RESPONSE_TOKENS, group_size=GROUP_SIZE, mb=MB)
+    date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    metrics = {}
+    for name in args.paths:
+        metrics[name] = PATHS[name](args)
+        m = metrics[name]["rollouts_per_s"]
+        print(f"{name:>16}: {m['median']:,.0f} rollouts/s (min {m['min']:,.0f}, max {m['max']:,.0f})", flush=True)
+    report = {"benchmark": "data_plane", "date": date, "config": config, "machine": machine(),
+              "metrics": metrics, "ratios": ratios(metrics)}
+    path = write_json(report) if args.out is None else _write_to(report, args.out)
+    print_table(report)
+    print(f"\nwrote {path}")
+
+
+def _write_to(report: dict[str, Any], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return path
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""The rollout channel's edges: remote workers via the CLI, ipc://, CURVE, handshake timeout,
+loopback-only default, and a worker that outlives a trainer restart's silence."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl import EngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
+from asyncrl.transport.zmq_transport import ZmqRolloutReceiver, generate_curve_keys
+
+pytestmark = pytest.mark.integration
+
+ASYNCRL = [sys.executable, "-m", "asyncrl.cli"]
+FAST = dict(heartbeat_s=0.2, peer_timeout_s=3)
+
+
+def _config(**transport) -> LoaderConfig:
+    return LoaderConfig(
+        group_size=2,
+        batch_size=4,
+        capacity=8,
+        max_staleness=None,
+        wait_timeout_s=60,
+        transport=TransportConfig(**{**FAST, **transport}),
+        worker=WorkerConfig(engine=EngineConfig(max_new_tokens=8)),
+    )
+
+
+def _prompts(n: int) -> list[dict]:
+    return [{"text": f"prompt {i}"} for i in range(n)]
+
+
+def _worker(endpoint: str, *extra: str) -> subprocess.Popen:
+    argv = [*ASYNCRL, "worker", "--connect", endpoint, "--set", "transport.heartbeat_s=0.2", *extra]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _epoch(loader: RolloutLoader) -> list[str]:
+    return [g for batch in loader for g in batch["group_ids"]]
+
+
+def test_cli_worker_serves_a_loader_started_elsewhere():
+    with RolloutLoader(_prompts(24), _config()) as loader:
+        proc = _worker(loader.endpoint, "--worker-id", "remote-1", "--set", "worker.slots=3")
+        try:
+            groups = _epoch(loader)
+            workers = loader.stats()["transport"]["workers"]
+        finally:
+            loader.close()  # tells the worker to shut down
+            proc.wait(20)
+    assert sorted(groups) == sorted(f"e0-p{i}" for i in range(24))
+    assert workers["remote-1"]["slots"] == 3
+    assert proc.returncode == 0, proc.stderr.read()[-2000:]
+
+
+def test_ipc_endpoint(tmp_path: Path):
+    path = tmp_path / "pool.sock"
+    with RolloutLoader(_prompts(12), _config(bind=f"ipc://{path}"), num_workers=1) as loader:
+        assert loader.endpoint == f"ipc://{path}"
+        assert len(_epoch(loader)) == 12
+
+
+def test_curve_encrypted_pool_accepts_keyed_worker_only():
+    public, secret = generate_curve_keys()
+    with RolloutLoader(_prompts(8), _config(curve_public_key=public, curve_secret_key=secret)) as loader:
+        stranger = _worker(loader.endpoint, "--set", "transport.handshake_timeout_s=2")
+        keyed = _worker(loader.endpoint, "--server-key", public)
+        try:
+            assert len(_epoch(loader)) == 8
+            stranger.wait(30)
+            assert stranger.returncode != 0
+            assert "transport.handshake_timeout_s" in stranger.stderr.read()
+        finally:
+            _stop(stranger)
+            loader.close()
+            keyed.wait(20)
+
+
+def test_handshake_timeout_names_its_setting():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [*ASYNCRL, "worker", "--connect", f"tcp://127.0.0.1:{port}", "--set", "transport.handshake_timeout_s=1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    assert "HandshakeTimeout" in proc.stderr and "transport.handshake_timeout_s" in proc.stderr
+    assert time.monotonic() - t0 < 30
+
+
+def test_non_loopback_bind_needs_curve_or_explicit_opt_in():
+    from asyncrl.ledger import PromptLedger
+    from asyncrl.pool import RolloutPool
+
+    pool = RolloutPool(PromptLedger(4), group_size=1, capacity=1)
+    with pytest.raises(ValueError, match="curve_secret_key"):
+        ZmqRolloutReceiver(TransportConfig(bind="tcp://0.0.0.0:0"), pool, lambda i: {})
+    ZmqRolloutReceiver(TransportConfig(bind="tcp://0.0.0.0:0", allow_insecure_remote=True), pool, lambda i: {})
+
+
+def test_worker_gives_up_on_a_silent_pool():
+    with RolloutLoader(_prompts(400), _config(peer_timeout_s=1.0)) as loader:
+        proc = _worker(loader.endpoint, "--set", "transport.peer_timeout_s=1.0")
+        try:
+            it = iter(loader)
+            next(it)
+            loader.receiver.close(shutdown_workers=False)  # the pool vanishes without a word
+            proc.wait(30)
+        finally:
+            _stop(proc)
+    assert proc.returncode != 0
+    assert "transport.peer_timeout_s" in proc.stderr.read()
