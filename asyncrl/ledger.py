@@ -192,17 +192,33 @@ class PromptLedger:
     def has_pending(self) -> bool:
         return bool(self._retry) or self._cursor < len(self.order)
 
+    def peek(self) -> int | None:
+        """The prompt :meth:`lease` would issue next, or None if nothing is pending.
+
+        Skips retry entries and cursor positions whose prompt is no longer PENDING: a group can
+        arrive before its prompt's turn (a late group from a worker of a run that was resumed).
+        """
+        while self._retry:
+            if self.state_of(self._retry[0]) is PromptState.PENDING:
+                return self._retry[0]
+            self._retry.popleft()
+        while self._cursor < len(self.order):
+            idx = self.order[self._cursor]
+            if self.state_of(idx) is PromptState.PENDING:
+                return idx
+            self._cursor += 1
+        return None
+
     def lease(self, worker_id: str, now: float) -> Lease | None:
         """Leases the next pending prompt to ``worker_id``, re-issues first; None if nothing is pending."""
-        while self._retry:
-            idx = self._retry.popleft()
-            if self.state_of(idx) is PromptState.PENDING:  # may have arrived late from a former lease
-                return self._issue(idx, worker_id, now)
-        if self._cursor < len(self.order):
-            idx = self.order[self._cursor]
+        idx = self.peek()
+        if idx is None:
+            return None
+        if self._retry and self._retry[0] == idx:
+            self._retry.popleft()
+        else:
             self._cursor += 1
-            return self._issue(idx, worker_id, now)
-        return None
+        return self._issue(idx, worker_id, now)
 
     def _issue(self, idx: int, worker_id: str, now: float) -> Lease:
         attempt = self._attempts.get(idx, -1) + 1

@@ -76,7 +76,9 @@ class RolloutPool:
     # -- receiver side -------------------------------------------------------------------------
     @property
     def groups_in_flight(self) -> int:
-        return len(self._ready) + len(self._partial) + len(self.ledger.leases)
+        """Prompts leased or partially received (each once), plus buffered groups."""
+        started = set(self._partial).union(lease.prompt_index for lease in self.ledger.leases.values())
+        return len(self._ready) + len(started)
 
     def add_rollouts(self, rollouts: list[Rollout], *, lease_id: int | None = None) -> int:
         """Adds received rollouts; completes groups; deduplicates by uid.
@@ -133,12 +135,18 @@ class RolloutPool:
         now = time.monotonic() if now is None else now
         out: list[Lease] = []
         with self.cond:
-            while self.active and len(out) < want and self.groups_in_flight < self.capacity:
+            while self.active and len(out) < want:
+                index = self.ledger.peek()
+                if index is None:
+                    break
+                # a prompt with part of its group here already counts as in flight: finishing it is
+                # always allowed, or orphaned partial groups could fill the capacity for good
+                if index not in self._partial and self.groups_in_flight >= self.capacity:
+                    break
                 if self.max_buffer_bytes is not None and self.buffered_bytes >= self.max_buffer_bytes:
                     break
                 lease = self.ledger.lease(worker_id, now)
-                if lease is None:
-                    break
+                assert lease is not None and lease.prompt_index == index
                 out.append(lease)
             self._update_peaks()
         return out

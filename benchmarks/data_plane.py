@@ -19,11 +19,16 @@ logprobs per rollout (8448 B); 1 MB = 1e6 B. Paths, all measured in this one run
                     and send its frames in a loop (PUSH, ``copy=False``) to a PULL on tcp://127.0.0.1:0;
                     the consumer receives and decodes (no validation, ledger or collate).
   zmq_raw_nodecode  the same without decode.
+  zmq_same_work     asyncrl's work at both ends without its control plane: producers run the real worker
+                    step and encode each group, PUSH to PULL; the consumer decodes, ``Group.from_wire``
+                    validates and ``collate_groups`` batches (no leases, ledger, pool, threads or torchdata).
 
 Each path starts its producers, waits for the first delivery (start-up stays outside the clock) and then
 measures ``--repeats`` back-to-back windows of ``--seconds``. The JSON in ``benchmarks/results/`` has
 config, machine, commit, date, median/min/max per path, the CPU time each role spent per rollout
-during the windows, and the ratios asyncrl/mp_queue and asyncrl/zmq_raw.
+during the windows, the 1-minute load average, and the ratios asyncrl/<path> (targets: >= 2x mp_queue,
+>= 0.75x zmq_raw). The consumer process runs with ``--consumer-threads`` torch threads (default 1, as the
+workers): on a small machine intra-op threads spin and steal the producers' cores.
 
     .venv/bin/python -m benchmarks.data_plane [--workers 2] [--seconds 8] [--repeats 3] [--paths asyncrl,...]
 """
@@ -186,15 +191,25 @@ def mp_queue_producer(rank: int, world: int, num_prompts: int, as_bytes: bool, q
         worker.step(leases)
 
 
-def zmq_producer(rank: int, endpoint: str, stop: Any) -> None:
-    """Transport-limit producer: one group encoded once, its frames sent in a loop."""
-    frames = encode("group", build_group(rank).to_wire())
+def zmq_producer(rank: int, world: int, num_prompts: int, endpoint: str, stop: Any, generate: bool) -> None:
+    """ZeroMQ PUSH producer.
+
+    ``generate=False``: one group encoded once, its frames sent in a loop (the transport's limit).
+    ``generate=True``: the real worker step, each group encoded and sent (asyncrl's producer work, no leases).
+    """
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDTIMEO, 200)  # a blocked send re-checks the stop event
     sock.connect(endpoint)
     try:
+        if generate:
+            worker = make_worker(f"zmq-{rank}", lambda g: send_until_stopped(sock, encode("group", g.to_wire()), stop))
+            for leases in lease_batches(rank, world, worker.max_batch, num_prompts):
+                if stop.is_set():
+                    return
+                worker.step(leases)
+        frames = encode("group", build_group(rank).to_wire())
         while not stop.is_set():
             for _ in range(64):
                 try:
@@ -204,6 +219,15 @@ def zmq_producer(rank: int, endpoint: str, stop: Any) -> None:
     finally:
         sock.close(linger=0)
         ctx.term()
+
+
+def send_until_stopped(sock: zmq.Socket, frames: list, stop: Any) -> None:
+    while not stop.is_set():
+        try:
+            sock.send_multipart(frames, copy=False)
+            return
+        except zmq.Again:
+            continue
 
 
 def stop_processes(procs: list[Any], stop: Any, timeout: float = 10.0) -> None:
@@ -235,18 +259,24 @@ def cpu_seconds(pid: int, tid: int | None = None) -> float | None:
 
 
 def cpu_snapshot(producer_pids: list[int]) -> dict[str, float | None]:
+    """CPU seconds so far: all producers, this process, and each of its threads by name."""
     me = os.getpid()
     producers = [cpu_seconds(pid) for pid in producer_pids]
-    return {
-        "consumer_main_thread": cpu_seconds(me, threading.main_thread().native_id),
-        "consumer_process": cpu_seconds(me),
+    out: dict[str, float | None] = {
         "producers": None if None in producers else sum(producers),  # type: ignore[arg-type]
+        "consumer_process": cpu_seconds(me),
     }
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    for tid in sorted(int(t) for t in os.listdir(f"/proc/{me}/task")) if os.path.isdir(f"/proc/{me}/task") else []:
+        key = f"consumer_thread:{names.get(tid, 'native (libzmq I/O, OpenMP, ...)')}"
+        out[key] = (out.get(key) or 0.0) + (cpu_seconds(me, tid) or 0.0)
+    return out
 
 
 def measure(step: Step, args: argparse.Namespace, name: str, producer_pids: list[int]) -> dict[str, Any]:
     """``--repeats`` back-to-back windows of ``--seconds``; ``step`` consumes one delivery."""
     windows, total_rollouts = [], 0
+    load_before = os.getloadavg()[0]  # other load on the machine shows up here
     cpu0 = cpu_snapshot(producer_pids)
     bar = tqdm(total=args.repeats * args.seconds, desc=f"{name:>16}", unit="s", leave=False, bar_format="{l_bar}{bar}| {postfix}")
     for _ in range(args.repeats):
@@ -266,8 +296,10 @@ def measure(step: Step, args: argparse.Namespace, name: str, producer_pids: list
         total_rollouts += rollouts
     bar.close()
     cpu1 = cpu_snapshot(producer_pids)
-    cpu = {k: None if cpu0[k] is None or cpu1[k] is None else cpu1[k] - cpu0[k] for k in cpu0}
-    return summarize(windows, cpu, total_rollouts)
+    cpu = {k: None if cpu0[k] is None or cpu1.get(k) is None else cpu1[k] - cpu0[k] for k in cpu0}  # type: ignore[operator]
+    result = summarize(windows, cpu, total_rollouts)
+    result["loadavg_1min"] = {"before": load_before, "after": os.getloadavg()[0]}
+    return result
 
 
 def stats(values: list[float]) -> dict[str, float]:
@@ -344,8 +376,27 @@ def run_mp_queue(args: argparse.Namespace, *, as_bytes: bool) -> dict[str, Any]:
         queue.join_thread()
 
 
-def run_zmq_raw(args: argparse.Namespace, *, do_decode: bool) -> dict[str, Any]:
+def zmq_step(pull: zmq.Socket, mode: str, batch_size: int) -> Step:
+    """The consumer's work per delivery: one group (``raw``, ``nodecode``) or one collated batch (``same_work``)."""
     ref_bytes = payload_bytes(build_group(0))  # every message carries one group of this size
+
+    def nodecode() -> tuple[int, int]:
+        pull.recv_multipart(copy=False)
+        return GROUP_SIZE, ref_bytes
+
+    def raw() -> tuple[int, int]:
+        rollouts = decode(pull.recv_multipart(copy=False))[1]["rollouts"]
+        return len(rollouts), sum(r["prompt_ids"].nbytes + r["response_ids"].nbytes + r["logprobs"].nbytes for r in rollouts)
+
+    def same_work() -> tuple[int, int]:
+        messages = [pull.recv_multipart(copy=False) for _ in range(batch_size)]
+        batch = collate_counting([Group.from_wire(decode(m)[1], group_size=GROUP_SIZE) for m in messages])
+        return len(batch["uids"]), batch[PAYLOAD_BYTES_KEY]
+
+    return {"raw": raw, "nodecode": nodecode, "same_work": same_work}[mode]
+
+
+def run_zmq(args: argparse.Namespace, *, mode: str) -> dict[str, Any]:
     zctx = zmq.Context()
     pull = zctx.socket(zmq.PULL)
     pull.setsockopt(zmq.LINGER, 0)
@@ -354,32 +405,26 @@ def run_zmq_raw(args: argparse.Namespace, *, do_decode: bool) -> dict[str, Any]:
     endpoint = pull.getsockopt_string(zmq.LAST_ENDPOINT)
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
-    procs = [ctx.Process(target=zmq_producer, args=(rank, endpoint, stop), daemon=True) for rank in range(args.workers)]
+    producer_args = [(rank, args.workers, args.prompts, endpoint, stop, mode == "same_work") for rank in range(args.workers)]
+    procs = [ctx.Process(target=zmq_producer, args=a, daemon=True) for a in producer_args]
     try:
         for p in procs:
             p.start()
-
-        def step() -> tuple[int, int]:
-            frames = pull.recv_multipart(copy=False)
-            if not do_decode:
-                return GROUP_SIZE, ref_bytes
-            rollouts = decode(frames)[1]["rollouts"]
-            return len(rollouts), sum(r["prompt_ids"].nbytes + r["response_ids"].nbytes + r["logprobs"].nbytes for r in rollouts)
-
+        step = zmq_step(pull, mode, args.batch_size)
         step()
-        return measure(step, args, "zmq_raw" if do_decode else "zmq_raw_nodecode", [p.pid for p in procs])
+        return measure(step, args, ZMQ_PATHS[mode], [p.pid for p in procs])
     finally:
         stop_processes(procs, stop)
         pull.close(linger=0)
         zctx.term()
 
 
+ZMQ_PATHS = {"raw": "zmq_raw", "nodecode": "zmq_raw_nodecode", "same_work": "zmq_same_work"}
 PATHS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "asyncrl": run_asyncrl,
     "mp_queue": partial(run_mp_queue, as_bytes=False),
     "mp_queue_bytes": partial(run_mp_queue, as_bytes=True),
-    "zmq_raw": partial(run_zmq_raw, do_decode=True),
-    "zmq_raw_nodecode": partial(run_zmq_raw, do_decode=False),
+    **{name: partial(run_zmq, mode=mode) for mode, name in ZMQ_PATHS.items()},
 }
 
 
@@ -458,6 +503,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=200_000, help="dataset size (large: no epoch end in a run)")
     p.add_argument("--slots", type=int, default=WorkerConfig().slots, help="asyncrl worker credits per pool")
     p.add_argument("--max-batch", type=int, default=WorkerConfig().max_batch, help="leases per engine call")
+    p.add_argument("--consumer-threads", type=int, default=1,
+                   help="torch intra-op threads of the consumer process, all paths (0 = torch's default); producers use 1")
     p.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {list(PATHS)}")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/data_plane-DATE.json)")
     args = p.parse_args(argv)
@@ -470,8 +517,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.consumer_threads > 0:
+        torch.set_num_threads(args.consumer_threads)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    config.update(prompt_tokens=PROMPT_TOKENS, response_tokens=RESPONSE_TOKENS, group_size=GROUP_SIZE, mb=MB)
+    config.update(torch_threads_consumer=torch.get_num_threads(), prompt_tokens=PROMPT_TOKENS, response_tokens=RESPONSE_TOKENS, group_size=GROUP_SIZE, mb=MB)
     date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     metrics = {}
     for name in args.paths:

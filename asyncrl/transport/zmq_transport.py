@@ -403,6 +403,8 @@ class ZmqRolloutSender(RolloutSender):
         self._welcomed = [False] * len(endpoints)
         self._shutdown = [False] * len(endpoints)
         self._lost = [False] * len(endpoints)
+        self._abandoned = [False] * len(endpoints)  # never welcomed within handshake_timeout_s
+        self._pending: list[collections.deque] = [collections.deque() for _ in endpoints]
         self._stop = threading.Event()
         self._bound = threading.Event()
         self._error: BaseException | None = None
@@ -415,9 +417,11 @@ class ZmqRolloutSender(RolloutSender):
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"asyncrl-sender-{self.worker_id}", daemon=True)
         self._thread.start()
+        # Serve as soon as one pool answers; the I/O thread keeps greeting the others until
+        # handshake_timeout_s and then gives up on them (a rank that already finished, say).
         deadline = time.monotonic() + self.config.handshake_timeout_s
         with self._cv:
-            while not all(self._welcomed) and self._error is None:
+            while not any(self._welcomed) and self._error is None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -425,11 +429,10 @@ class ZmqRolloutSender(RolloutSender):
         if self._error is not None:
             self.close()
             raise self._error
-        if not all(self._welcomed):
-            missing = [e for e, ok in zip(self.endpoints, self._welcomed) if not ok]
+        if not any(self._welcomed):
             self.close()
             raise HandshakeTimeout(
-                f"worker {self.worker_id}: no WELCOME from {missing} within {self.config.handshake_timeout_s} s; "
+                f"worker {self.worker_id}: no WELCOME from {self.endpoints} within {self.config.handshake_timeout_s} s; "
                 "check the address and that the trainer is running (transport.handshake_timeout_s)"
             )
         self._bound.wait()
@@ -465,7 +468,8 @@ class ZmqRolloutSender(RolloutSender):
 
     @property
     def done(self) -> bool:
-        return all(self._shutdown)
+        """Every pool said SHUTDOWN (pools that never answered the handshake are not waited for)."""
+        return any(self._shutdown) and all(sd or ab for sd, ab in zip(self._shutdown, self._abandoned))
 
     def close(self) -> None:
         if self._pusher is not None:
@@ -500,6 +504,7 @@ class ZmqRolloutSender(RolloutSender):
 
     def _dealer(self, endpoint: str) -> zmq.Socket:
         d = self._ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a pool that is not connected
         d.setsockopt(zmq.SNDHWM, self.config.hwm)
         d.setsockopt(zmq.RCVHWM, self.config.hwm)
         d.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
@@ -527,13 +532,31 @@ class ZmqRolloutSender(RolloutSender):
             self.counters[f"send_dropped_{kind}"] += 1
 
     def _drain(self, pull: zmq.Socket, dealers: list[zmq.Socket]) -> None:
+        """Forwards groups from the main thread; never blocks (heartbeats must keep flowing)."""
+        for conn, d in enumerate(dealers):
+            self._flush(conn, d)
         for _ in range(100_000):
             try:
                 frames = pull.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             conn = int(frames[0].bytes)
-            dealers[conn].send_multipart(frames[1:], copy=False)  # blocks at HWM: backpressure to generation
+            self._pending[conn].append(frames[1:])
+            self._flush(conn, dealers[conn])
+
+    def _flush(self, conn: int, d: zmq.Socket) -> None:
+        pending = self._pending[conn]
+        while pending:
+            if self._shutdown[conn] or self._lost[conn] or self._abandoned[conn]:
+                # that pool is gone: its leases are re-issued by the ledger (or by a resumed run)
+                self.counters["groups_dropped_pool_gone"] += len(pending)
+                pending.clear()
+                return
+            try:
+                d.send_multipart(pending[0], zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # pool's queue full or reconnecting: retry on the next loop
+                return
+            pending.popleft()
 
     def _loop(self, pull: zmq.Socket, dealers: list[zmq.Socket]) -> None:
         poller = zmq.Poller()
@@ -542,13 +565,13 @@ class ZmqRolloutSender(RolloutSender):
             poller.register(d, zmq.POLLIN)
         n = len(dealers)
         now = time.monotonic()
+        handshake_deadline = now + self.config.handshake_timeout_s
         last_seen = [now] * n
         next_hello = [0.0] * n
         next_heartbeat = now + self.config.heartbeat_s
         while not self._stop.is_set():
             events = dict(poller.poll(20))
-            if pull in events:
-                self._drain(pull, dealers)
+            self._drain(pull, dealers)
             now = time.monotonic()
             for i, d in enumerate(dealers):
                 if d in events:
@@ -560,9 +583,16 @@ class ZmqRolloutSender(RolloutSender):
                         last_seen[i] = now
                         self._lost[i] = False
                         self._handle(i, d, frames)
-                if not self._welcomed[i] and now >= next_hello[i]:
-                    self._hello(d)
-                    next_hello[i] = now + self.config.heartbeat_s
+                if not self._welcomed[i] and not self._abandoned[i] and now >= next_hello[i]:
+                    if now > handshake_deadline:
+                        self._abandoned[i] = True
+                        logger.warning(
+                            "worker %s: no WELCOME from %s within %s s (transport.handshake_timeout_s); not serving it",
+                            self.worker_id, self.endpoints[i], self.config.handshake_timeout_s,
+                        )
+                    else:
+                        self._hello(d)
+                        next_hello[i] = now + self.config.heartbeat_s
                 if self._welcomed[i] and not self._shutdown[i] and now - last_seen[i] > self.config.peer_timeout_s:
                     self._lost[i] = True
             if now >= next_heartbeat:
@@ -570,8 +600,10 @@ class ZmqRolloutSender(RolloutSender):
                 for i, d in enumerate(dealers):
                     if self._welcomed[i] and not self._shutdown[i]:
                         self._send(d, P.HEARTBEAT, {})
-            live = [i for i in range(n) if not self._shutdown[i]]
-            if live and all(self._lost[i] for i in live):
+            live = [i for i in range(n) if self._welcomed[i] and not self._shutdown[i]]
+            if live and all(self._lost[i] for i in live) and not any(
+                not self._welcomed[i] and not self._abandoned[i] for i in range(n)
+            ):
                 raise PeerLost(
                     f"worker {self.worker_id}: pools {[self.endpoints[i] for i in live]} silent for more than "
                     f"{self.config.peer_timeout_s} s (transport.peer_timeout_s)"

@@ -132,3 +132,19 @@ def test_worker_gives_up_on_a_silent_pool():
             _stop(proc)
     assert proc.returncode != 0
     assert "transport.peer_timeout_s" in proc.stderr.read()
+
+
+def test_worker_serves_the_pools_that_answer():
+    """A worker given a rank that already finished (nobody listening) still serves the live one."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    with RolloutLoader(_prompts(16), _config()) as loader:
+        proc = _worker(loader.endpoint, "--connect", dead, "--set", "transport.handshake_timeout_s=2")
+        try:
+            groups = _epoch(loader)
+        finally:
+            loader.close()
+            proc.wait(20)
+    assert len(groups) == 16
+    assert proc.returncode == 0

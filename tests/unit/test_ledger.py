@@ -337,12 +337,6 @@ def test_empty_shard_is_done_immediately():
     assert ledger.lease("w", 0.0) is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: PromptLedger.lease() issues the next cursor prompt without checking its state; a prompt that "
-    "was completed before the cursor reached it (e.g. a late group after resuming an older checkpoint) is "
-    "leased again although it is BUFFERED/CONSUMED",
-)
 def test_lease_skips_prompt_completed_ahead_of_cursor():
     ledger = PromptLedger(5, seed=0)
     ahead = ledger.order[-1]

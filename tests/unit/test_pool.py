@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import math
 
 import pytest
@@ -159,22 +158,29 @@ def test_grant_respects_want_and_capacity():
     deliver(pool, leases[0])
     assert pool.groups_in_flight == 4
     assert pool.grant("w2", 10, now=0.0) == []
-    # a partially received group counts too (here on top of its still-outstanding lease)
-    g1 = make_group(0, leases[1].prompt_index, 2, 0)
-    assert pool.add_rollouts(g1.rollouts[:1], lease_id=leases[1].lease_id) == 1
-    assert pool.groups_in_flight == 5  # 1 ready + 1 partial + 3 leases
-    assert pool.grant("w2", 10, now=0.0) == []
-
     got = pool.take(timeout=0.05)
     assert got.prompt_index == leases[0].prompt_index
-    assert pool.groups_in_flight == 4
-    assert pool.grant("w2", 10, now=0.0) == []
-    # the partial group completes: its lease and partial entry become one buffered group
-    assert pool.add_rollouts(g1.rollouts[1:], lease_id=leases[1].lease_id) == 1
     assert pool.groups_in_flight == 3
     more = pool.grant("w2", 10, now=0.0)
     assert [l.prompt_index for l in more] == [pool.ledger.order[4]]
     assert pool.groups_in_flight == 4
+    assert pool.grant("w2", 10, now=0.0) == []
+    # an expired lease frees its slot
+    pool.expire(now=math.inf)
+    assert pool.groups_in_flight == 0
+    assert len(pool.grant("w2", 10, now=1.0)) == 4
+
+
+def test_partial_group_counts_against_capacity():
+    pool = make_pool(num_prompts=10, capacity=2)
+    a, b = pool.grant("w0", 2, now=0.0)
+    g = make_group(0, a.prompt_index, 2, 0)
+    assert pool.add_rollouts(g.rollouts[:1], lease_id=a.lease_id) == 1
+    assert pool.groups_in_flight >= 2
+    assert pool.grant("w1", 5, now=0.0) == []
+    assert pool.add_rollouts(g.rollouts[1:], lease_id=a.lease_id) == 1
+    assert pool.groups_in_flight == 2  # one buffered, one leased
+    assert pool.grant("w1", 5, now=0.0) == []
 
 
 def test_grant_capacity_exact_with_whole_groups():
@@ -629,15 +635,9 @@ def test_load_state_dict_rejects_other_ledger_params():
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# bugs
+# regressions: bugs found by these tests, fixed
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: PromptLedger.lease() re-leases (from the cursor) a prompt whose group the pool already "
-    "accepted before it was ever leased (e.g. from a worker of the run before a resume), wasting a worker "
-    "slot and a unit of pool capacity until the lease expires",
-)
 def test_group_arriving_before_its_lease_is_not_leased_again():
     pool = make_pool(num_prompts=4, capacity=4)
     ahead = pool.ledger.order[-1]
@@ -671,8 +671,11 @@ class Driver:
         self.yielded.append(g.prompt_index)
 
     def deliver(self, lease, pv: int) -> int:
+        """Delivers a whole group as the ZeroMQ receiver does: add, then release the lease if still held."""
         g = make_group(lease.epoch, lease.prompt_index, self.pool.group_size, pv, worker_id=lease.worker_id)
-        return self.pool.add_rollouts(g.rollouts, lease_id=lease.lease_id)
+        accepted = self.pool.add_rollouts(g.rollouts, lease_id=lease.lease_id)
+        self.pool.release_held(lease.lease_id, lease.worker_id, "rejected")
+        return accepted
 
     def take(self) -> Group | None:
         try:
@@ -753,3 +756,33 @@ def test_random_crash_and_resume_exactly_once(k, capacity, seed, before, lost, a
     shard = new.pool.ledger.order
     assert sorted(new.yielded) == sorted(shard)
     assert len(new.yielded) == len(set(new.yielded))
+
+
+def test_partial_group_with_its_lease_counts_once():
+    pool = make_pool(num_prompts=4, capacity=1)
+    (lease,) = pool.grant("w0", 1, now=0.0)
+    g = make_group(0, lease.prompt_index, 2, 0)
+    pool.add_rollouts(g.rollouts[:1], lease_id=lease.lease_id)
+    assert pool.groups_in_flight <= pool.capacity
+    assert pool.peak["groups_in_flight"] <= pool.capacity
+
+
+@pytest.mark.parametrize("via", ["expire", "worker_lost", "resume"])
+def test_orphaned_partial_group_does_not_stall_the_epoch(via):
+    pool = make_pool(num_prompts=3, capacity=1, lease_timeout_s=10.0)
+    (lease,) = pool.grant("w0", 1, now=0.0)
+    g = make_group(0, lease.prompt_index, 2, 0)
+    assert pool.add_rollouts(g.rollouts[:1], lease_id=lease.lease_id) == 1
+    if via == "expire":
+        pool.expire(now=10.0)
+    elif via == "worker_lost":
+        pool.release_worker("w0")
+    else:  # the trainer checkpointed here and resumed in a new process
+        state = pool.state_dict()
+        pool = make_pool(num_prompts=3, capacity=1, lease_timeout_s=10.0, start=False)
+        pool.load_state_dict(state)
+    assert pool.ledger.leases == {}
+    assert pool.ledger.state_of(lease.prompt_index) is PromptState.PENDING
+    # the prompt must be leased again so that its missing sample gets generated
+    again = pool.grant("w1", 1, now=20.0)
+    assert [l.prompt_index for l in again] == [lease.prompt_index]

@@ -56,6 +56,15 @@ class Engine(abc.ABC):
     def set_policy_version(self, version: int) -> None:
         self.policy_version = version
 
+    def apply_weights(self, update: Any) -> None:
+        """Loads a committed :class:`~asyncrl.weights.WeightUpdate` (full or LoRA); completions generated
+        afterwards carry ``update.version``. Called by the worker between generation batches.
+
+        Raises:
+            NotImplementedError: for engines without weights.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no weights to update")
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases engine resources."""
 
@@ -66,4 +75,12 @@ def build_engine(config: Any) -> Engine:
         from workers.engines.fake import FakeEngine
 
         return FakeEngine(config)
-    raise ValueError(f"unknown engine.type={config.type!r}; choose one of ['fake']")
+    if config.type == "hf":
+        from workers.engines.hf import HFEngine
+
+        return HFEngine(config)
+    if config.type == "vllm":
+        from workers.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(config)
+    raise ValueError(f"unknown engine.type={config.type!r}; choose one of ['fake', 'hf', 'vllm']")

@@ -1,0 +1,60 @@
+"""Weight sync: broadcaster (trainer) and receiver (worker) ends; see ``base.py``.
+
+Backends: ``zmq`` (:mod:`asyncrl.weights.zmq_weights`, any machine a socket reaches) and ``shm``
+(:mod:`asyncrl.weights.shm_weights`, receivers on the broadcaster's machine). Pick one with
+:func:`setup_weight_broadcaster` / :func:`setup_weight_receiver`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from asyncrl.weights.base import (
+    Bucket,
+    TensorSlot,
+    WeightBroadcaster,
+    WeightReceiver,
+    WeightSyncError,
+    WeightUpdate,
+    bucket_checksum,
+    plan_buckets,
+)
+from asyncrl.weights.shm_weights import ShmWeightBroadcaster, ShmWeightReceiver
+from asyncrl.weights.zmq_weights import ZmqWeightBroadcaster, ZmqWeightReceiver
+
+__all__ = [
+    "Bucket",
+    "ShmWeightBroadcaster",
+    "ShmWeightReceiver",
+    "TensorSlot",
+    "WeightBroadcaster",
+    "WeightReceiver",
+    "WeightSyncError",
+    "WeightUpdate",
+    "ZmqWeightBroadcaster",
+    "ZmqWeightReceiver",
+    "bucket_checksum",
+    "plan_buckets",
+    "setup_weight_broadcaster",
+    "setup_weight_receiver",
+]
+
+WeightSyncType = Literal["zmq", "shm"]
+_BROADCASTERS: dict[str, type[WeightBroadcaster]] = {"zmq": ZmqWeightBroadcaster, "shm": ShmWeightBroadcaster}
+_RECEIVERS: dict[str, type[WeightReceiver]] = {"zmq": ZmqWeightReceiver, "shm": ShmWeightReceiver}
+
+
+def _pick(table: dict[str, Any], type: str) -> Any:
+    if type not in table:
+        raise ValueError(f"unknown weight sync {type=}; choose 'zmq' (across machines) or 'shm' (same machine)")
+    return table[type]
+
+
+def setup_weight_broadcaster(type: WeightSyncType, **kwargs: Any) -> WeightBroadcaster:
+    """The trainer end of backend ``type``; ``kwargs`` go to its constructor (``bind``/``directory``, ...)."""
+    return _pick(_BROADCASTERS, type)(**kwargs)
+
+
+def setup_weight_receiver(type: WeightSyncType, address: str, **kwargs: Any) -> WeightReceiver:
+    """The worker end of backend ``type`` for a broadcaster's ``address`` (not started)."""
+    return _pick(_RECEIVERS, type)(address, **kwargs)

@@ -1,0 +1,180 @@
+"""Weight sync from the trainer to rollout workers: the two ends, the update, the bucket plan.
+
+::
+
+    trainer: optimizer.step() ─► broadcaster.publish(tensors, version=v+1)      (snapshot into buckets)
+                                        │  bucketed transfer (bounded: one bucket per frame/copy)
+    worker I/O thread: receiver ── stage every bucket, verify its checksum ──► staged update (phase 1)
+    worker main thread, at a safe point: update = receiver.poll() → engine.apply_weights(update)
+                                          → receiver.commit(update.version)                (phase 2)
+                                          → only now do new rollouts carry version v+1
+
+A receiver pulls the latest committed version (a worker that joins late gets the current weights;
+one that falls behind skips straight to the newest). A transfer that fails (peer gone, a bucket
+corrupted, a newer version published mid-transfer) is discarded whole and counted: the worker keeps
+generating with the version it has. One file per backend holds both ends (``zmq_weights.py`` across
+machines, ``shm_weights.py`` on one machine); CUDA IPC and NCCL plug in behind the same two classes.
+"""
+
+from __future__ import annotations
+
+import abc
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+__all__ = [
+    "Bucket",
+    "TensorSlot",
+    "WeightBroadcaster",
+    "WeightReceiver",
+    "WeightSyncError",
+    "WeightUpdate",
+    "bucket_checksum",
+    "plan_buckets",
+]
+
+WeightMode = Literal["full", "lora"]
+
+
+class WeightSyncError(RuntimeError):
+    """A weight transfer failed (corrupt bucket, peer gone, protocol violation); nothing was committed."""
+
+
+@dataclass(kw_only=True, slots=True)
+class WeightUpdate:
+    """A complete, verified set of weights for one policy version."""
+
+    version: int
+    mode: WeightMode
+    tensors: dict[str, torch.Tensor]
+    """``full``: the model's state dict names (HF naming); ``lora``: peft adapter state dict names
+    (``get_peft_model_state_dict``)."""
+    lora_config: dict[str, Any] | None = None
+    """``lora`` mode: the peft ``LoraConfig`` as a dict (``to_dict()``)."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+@dataclass(kw_only=True, slots=True)
+class TensorSlot:
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    """Byte offset inside the bucket."""
+    nbytes: int
+
+
+@dataclass(kw_only=True, slots=True)
+class Bucket:
+    index: int
+    nbytes: int
+    slots: list[TensorSlot]
+    checksum: int = 0
+    """crc32 of the bucket bytes (corruption check; use CURVE for authenticity)."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "nbytes": self.nbytes,
+            "checksum": self.checksum,
+            "slots": [[s.name, s.dtype, s.shape, s.offset, s.nbytes] for s in self.slots],
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> Bucket:
+        slots = [TensorSlot(name=n, dtype=dt, shape=list(sh), offset=o, nbytes=nb) for n, dt, sh, o, nb in d["slots"]]
+        return cls(index=d["index"], nbytes=d["nbytes"], slots=slots, checksum=d["checksum"])
+
+
+def plan_buckets(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[Bucket]:
+    """Packs tensors, in order, into buckets of at most ``bucket_bytes`` (a larger tensor gets its own).
+
+    Offsets are 64-byte aligned so receivers can view tensors in place.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"{bucket_bytes=} must be > 0")
+    buckets: list[Bucket] = []
+    current: list[TensorSlot] = []
+    offset = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if current and offset + nbytes > bucket_bytes:
+            buckets.append(Bucket(index=len(buckets), nbytes=offset, slots=current))
+            current, offset = [], 0
+        current.append(TensorSlot(name=name, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), offset=offset, nbytes=nbytes))
+        offset += (nbytes + 63) // 64 * 64
+    if current:
+        buckets.append(Bucket(index=len(buckets), nbytes=offset, slots=current))
+    return buckets
+
+
+def bucket_checksum(data: memoryview | bytes | bytearray) -> int:
+    return zlib.crc32(data)
+
+
+class WeightBroadcaster(abc.ABC):
+    """Trainer end: publishes one version at a time; receivers pull the newest."""
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> str:
+        """What a receiver needs to connect (an endpoint or a path)."""
+
+    @abc.abstractmethod
+    def publish(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        version: int,
+        *,
+        mode: WeightMode = "full",
+        lora_config: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Snapshots ``tensors`` as ``version`` and makes it the one receivers pull.
+
+        Returns:
+            stats: bytes, buckets, seconds spent snapshotting.
+
+        Raises:
+            ValueError: if ``version`` is not greater than the last published one.
+        """
+
+    @abc.abstractmethod
+    def committed(self) -> dict[str, int]:
+        """The version each receiver reported as applied, by receiver id."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class WeightReceiver(abc.ABC):
+    """Worker end: stages the newest version in the background; the worker applies it at a safe point."""
+
+    @abc.abstractmethod
+    def start(self) -> None: ...
+
+    @abc.abstractmethod
+    def poll(self) -> WeightUpdate | None:
+        """The newest fully staged and verified version newer than the last committed one, or None."""
+
+    @abc.abstractmethod
+    def wait(self, version: int, timeout: float) -> WeightUpdate | None:
+        """Blocks until a version ``>= version`` is staged (or ``timeout``); returns it or None."""
+
+    @abc.abstractmethod
+    def commit(self, version: int) -> None:
+        """Reports that the engine now runs ``version`` (phase two)."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Counters: versions staged/committed, failures with reasons, bytes, seconds."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...

