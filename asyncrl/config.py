@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-__all__ = ["EngineConfig", "LoaderConfig", "TransportConfig", "WorkerConfig", "from_dict", "to_dict"]
+__all__ = ["EngineConfig", "LoaderConfig", "TransportConfig", "WeightSyncConfig", "WorkerConfig", "from_dict", "to_dict"]
 
 C = TypeVar("C")
 
@@ -102,12 +102,34 @@ class EngineConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class WeightSyncConfig:
+    """How a worker receives weights (and where the trainer's broadcaster binds)."""
+
+    type: Literal["none", "zmq", "shm"] = "none"
+    """``none``: no weight sync (the fake engine follows the pool's version); ``zmq``: across machines;
+    ``shm``: shared memory, same machine."""
+    address: str | None = None
+    """Worker side: the broadcaster's address (endpoint for zmq, directory for shm)."""
+    bind: str = "tcp://127.0.0.1:0"
+    """Trainer side, zmq: where the broadcaster binds."""
+    bucket_bytes: int = 64 * 1024 * 1024
+    """Transfer unit: bounds memory in flight per receiver."""
+    wait_for_first_s: float = 60.0
+    """A worker waits up to this long for the current weights before it generates (late joiners)."""
+
+
+
+@dataclass(kw_only=True, slots=True)
 class WorkerConfig:
     """One rollout worker process."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     reward: str = "workers.rewards:fake_reward"
     """``module:function`` of the batched reward function."""
+    environment: str | None = None
+    """``module:Class`` of a multi-turn environment; its step rewards replace the reward function."""
+    weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """Weight sync from the trainer."""
     slots: int = 4
     """Leases (credits) the worker holds per pool at once: generation never runs ahead of these."""
     max_batch: int = 4
@@ -183,6 +205,7 @@ def from_dict(cls: type[C], data: dict[str, Any]) -> C:
 
 
 _SUBCONFIGS: dict[str, type] = {
+    "WeightSyncConfig": WeightSyncConfig,
     "TransportConfig": TransportConfig,
     "EngineConfig": EngineConfig,
     "WorkerConfig": WorkerConfig,

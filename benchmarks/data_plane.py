@@ -9,12 +9,16 @@ logprobs per rollout (8448 B); 1 MB = 1e6 B. Paths, all measured in this one run
                     fake_reward), ZeroMQ ROUTER/DEALER with leases and credits, codec decode +
                     ``Group.from_wire`` validation, pool (ledger, dedup, versions), torchdata Batcher +
                     ``collate_groups``. The consumer is a ``for batch in loader`` loop.
+  asyncrl_slots16   the same with 16 credits per worker instead of ``WorkerConfig.slots`` (4 = max_batch, so
+                    a worker idles for a lease round trip after each batch): what a default change would give.
   mp_queue          the baseline: N spawn processes run the same worker step (``RolloutWorker.step``:
                     fake engine, fake_reward, ``Rollout.validate``) and put each ``Group`` on a
                     ``multiprocessing.Queue(maxsize=capacity)``; torch's ForkingPickler reductions move
                     the tensors through shared memory, as in a DataLoader. The consumer gets
                     ``batch_size`` groups and calls ``collate_groups``: the same consumer work as asyncrl.
   mp_queue_bytes    the same, but each group is put as plain ``pickle.dumps(group, protocol=5)`` bytes.
+  mp_queue_numpy    the strongest Queue variant: ``to_wire()`` dicts with numpy arrays (pickled as raw
+                    bytes); the consumer validates with ``Group.from_wire`` (as asyncrl's receiver) and collates.
   zmq_raw           the transport's limit: N processes pre-encode ONE group with ``asyncrl.codec.encode``
                     and send its frames in a loop (PUSH, ``copy=False``) to a PULL on tcp://127.0.0.1:0;
                     the consumer receives and decodes (no validation, ledger or collate).
@@ -71,6 +75,7 @@ GROUP_SIZE = 4
 VOCAB = 32000
 MB = 1e6
 PAYLOAD_BYTES_KEY = "payload_bytes"
+TENSOR_FIELDS = ("prompt_ids", "response_ids", "logprobs")  # the payload counted in bytes/s
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 ENGINE = EngineConfig(min_new_tokens=RESPONSE_TOKENS, max_new_tokens=RESPONSE_TOKENS, seconds_per_token=0.0)
 TARGETS = {"asyncrl/mp_queue": 2.0, "asyncrl/zmq_raw": 0.75}
@@ -98,7 +103,7 @@ class Prompts(Sequence):
 
 
 def payload_bytes(group: Group) -> int:
-    return sum(r.prompt_ids.nbytes + r.response_ids.nbytes + r.logprobs.nbytes for r in group.rollouts)
+    return sum(getattr(r, k).nbytes for r in group.rollouts for k in TENSOR_FIELDS)
 
 
 def collate_counting(groups: list[Group]) -> TrainBatch:
@@ -135,7 +140,6 @@ class CallbackSender(RolloutSender):
 
 
 def make_worker(worker_id: str, deliver: Callable[[Group], None]) -> RolloutWorker:
-    torch.set_num_threads(1)  # as LocalWorkerLauncher's OMP_NUM_THREADS=1
     engine = FakeEngine(ENGINE)
     return RolloutWorker(worker_id, engine, fake_reward, CallbackSender(deliver), max_batch=WorkerConfig().max_batch)
 
@@ -171,12 +175,35 @@ def build_group(prompt_index: int) -> Group:
 
 
 # -- producers (spawned processes) ---------------------------------------------------------------
-def mp_queue_producer(rank: int, world: int, num_prompts: int, as_bytes: bool, queue: Any, stop: Any) -> None:
+def to_queue_item(group: Group, mode: str) -> Any:
+    """What an mp.Queue producer puts: the Group, its pickle, or its ``to_wire()`` dict with numpy arrays."""
+    if mode == "objects":
+        return group
+    if mode == "bytes":
+        return pickle.dumps(group, protocol=5)
+    wire = group.to_wire()
+    for r in wire["rollouts"]:
+        r.update({k: r[k].numpy() for k in TENSOR_FIELDS})
+    return wire
+
+
+def from_queue_item(item: Any, mode: str) -> Group:
+    if mode == "objects":
+        return item
+    if mode == "bytes":
+        return pickle.loads(item)
+    for r in item["rollouts"]:
+        r.update({k: torch.from_numpy(r[k]) for k in TENSOR_FIELDS})
+    return Group.from_wire(item, group_size=GROUP_SIZE)  # validated, as asyncrl's receiver does
+
+
+def mp_queue_producer(rank: int, world: int, num_prompts: int, mode: str, queue: Any, stop: Any) -> None:
     """Baseline producer: the real worker step, then ``Queue.put`` of each group."""
+    torch.set_num_threads(1)  # as LocalWorkerLauncher's OMP_NUM_THREADS=1
     queue.cancel_join_thread()  # exit without flushing: the consumer stops reading at the end
 
     def deliver(group: Group) -> None:
-        item = pickle.dumps(group, protocol=5) if as_bytes else group
+        item = to_queue_item(group, mode)
         while not stop.is_set():
             try:
                 queue.put(item, timeout=0.2)
@@ -197,6 +224,7 @@ def zmq_producer(rank: int, world: int, num_prompts: int, endpoint: str, stop: A
     ``generate=False``: one group encoded once, its frames sent in a loop (the transport's limit).
     ``generate=True``: the real worker step, each group encoded and sent (asyncrl's producer work, no leases).
     """
+    torch.set_num_threads(1)  # as LocalWorkerLauncher's OMP_NUM_THREADS=1
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
@@ -267,7 +295,8 @@ def cpu_snapshot(producer_pids: list[int]) -> dict[str, float | None]:
         "consumer_process": cpu_seconds(me),
     }
     names = {t.native_id: t.name for t in threading.enumerate()}
-    for tid in sorted(int(t) for t in os.listdir(f"/proc/{me}/task")) if os.path.isdir(f"/proc/{me}/task") else []:
+    tids = sorted(int(t) for t in os.listdir(f"/proc/{me}/task")) if os.path.isdir(f"/proc/{me}/task") else []
+    for tid in tids:
         key = f"consumer_thread:{names.get(tid, 'native (libzmq I/O, OpenMP, ...)')}"
         out[key] = (out.get(key) or 0.0) + (cpu_seconds(me, tid) or 0.0)
     return out
@@ -278,7 +307,7 @@ def measure(step: Step, args: argparse.Namespace, name: str, producer_pids: list
     windows, total_rollouts = [], 0
     load_before = os.getloadavg()[0]  # other load on the machine shows up here
     cpu0 = cpu_snapshot(producer_pids)
-    bar = tqdm(total=args.repeats * args.seconds, desc=f"{name:>16}", unit="s", leave=False, bar_format="{l_bar}{bar}| {postfix}")
+    bar = tqdm(total=args.repeats * args.seconds, desc=f"{name:>16}", leave=False, bar_format="{l_bar}{bar}| {postfix}")
     for _ in range(args.repeats):
         rollouts = nbytes = 0
         t0 = now = time.perf_counter()
@@ -296,7 +325,7 @@ def measure(step: Step, args: argparse.Namespace, name: str, producer_pids: list
         total_rollouts += rollouts
     bar.close()
     cpu1 = cpu_snapshot(producer_pids)
-    cpu = {k: None if cpu0[k] is None or cpu1.get(k) is None else cpu1[k] - cpu0[k] for k in cpu0}  # type: ignore[operator]
+    cpu = {k: None if v is None or cpu1.get(k) is None else cpu1[k] - v for k, v in cpu0.items()}  # type: ignore
     result = summarize(windows, cpu, total_rollouts)
     result["loadavg_1min"] = {"before": load_before, "after": os.getloadavg()[0]}
     return result
@@ -324,7 +353,8 @@ def loader_batches(loader: RolloutLoader) -> Iterator[TrainBatch]:
         yield from loader
 
 
-def run_asyncrl(args: argparse.Namespace) -> dict[str, Any]:
+def run_asyncrl(args: argparse.Namespace, *, slots: int | None = None) -> dict[str, Any]:
+    slots = args.slots if slots is None else slots
     config = LoaderConfig(
         group_size=GROUP_SIZE,
         batch_size=args.batch_size,
@@ -332,7 +362,7 @@ def run_asyncrl(args: argparse.Namespace) -> dict[str, Any]:
         capacity=args.capacity,
         num_workers=args.workers,
         wait_timeout_s=120,
-        worker=WorkerConfig(engine=ENGINE, slots=args.slots, max_batch=args.max_batch),
+        worker=WorkerConfig(engine=ENGINE, slots=slots, max_batch=args.max_batch),
     )
     loader = RolloutLoader(Prompts(args.prompts), config, collate_fn=collate_counting)
     try:
@@ -344,7 +374,8 @@ def run_asyncrl(args: argparse.Namespace) -> dict[str, Any]:
 
         step()  # warm-up: worker start-up and the first batch stay outside the clock
         assert loader.launcher is not None
-        result = measure(step, args, "asyncrl", [pid for pid in loader.launcher.pids if pid is not None])
+        name = "asyncrl" if slots == args.slots else f"asyncrl_slots{slots}"
+        result = measure(step, args, name, [pid for pid in loader.launcher.pids if pid is not None])
         stats_ = loader.stats()
         result["loader_stats"] = {k: stats_[k] for k in ("epoch", "pool", "ledger", "peak")}
     finally:
@@ -352,11 +383,11 @@ def run_asyncrl(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def run_mp_queue(args: argparse.Namespace, *, as_bytes: bool) -> dict[str, Any]:
+def run_mp_queue(args: argparse.Namespace, *, mode: str) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     queue, stop = ctx.Queue(maxsize=args.capacity), ctx.Event()
     procs = [
-        ctx.Process(target=mp_queue_producer, args=(rank, args.workers, args.prompts, as_bytes, queue, stop), daemon=True)
+        ctx.Process(target=mp_queue_producer, args=(rank, args.workers, args.prompts, mode, queue, stop), daemon=True)
         for rank in range(args.workers)
     ]
     try:
@@ -365,11 +396,11 @@ def run_mp_queue(args: argparse.Namespace, *, as_bytes: bool) -> dict[str, Any]:
 
         def step() -> tuple[int, int]:
             items = [queue.get(timeout=120) for _ in range(args.batch_size)]
-            batch = collate_counting([pickle.loads(x) for x in items] if as_bytes else items)
+            batch = collate_counting([from_queue_item(x, mode) for x in items])
             return len(batch["uids"]), batch[PAYLOAD_BYTES_KEY]
 
         step()
-        return measure(step, args, "mp_queue_bytes" if as_bytes else "mp_queue", [p.pid for p in procs])
+        return measure(step, args, MP_QUEUE_PATHS[mode], [p.pid for p in procs])
     finally:
         stop_processes(procs, stop)  # producers never block: put() has a timeout, no flush at exit
         queue.close()
@@ -377,7 +408,7 @@ def run_mp_queue(args: argparse.Namespace, *, as_bytes: bool) -> dict[str, Any]:
 
 
 def zmq_step(pull: zmq.Socket, mode: str, batch_size: int) -> Step:
-    """The consumer's work per delivery: one group (``raw``, ``nodecode``) or one collated batch (``same_work``)."""
+    """The consumer's work per delivery: a group (``raw``, ``nodecode``) or a collated batch (``same_work``)."""
     ref_bytes = payload_bytes(build_group(0))  # every message carries one group of this size
 
     def nodecode() -> tuple[int, int]:
@@ -386,7 +417,7 @@ def zmq_step(pull: zmq.Socket, mode: str, batch_size: int) -> Step:
 
     def raw() -> tuple[int, int]:
         rollouts = decode(pull.recv_multipart(copy=False))[1]["rollouts"]
-        return len(rollouts), sum(r["prompt_ids"].nbytes + r["response_ids"].nbytes + r["logprobs"].nbytes for r in rollouts)
+        return len(rollouts), sum(r[k].nbytes for r in rollouts for k in TENSOR_FIELDS)
 
     def same_work() -> tuple[int, int]:
         messages = [pull.recv_multipart(copy=False) for _ in range(batch_size)]
@@ -405,8 +436,11 @@ def run_zmq(args: argparse.Namespace, *, mode: str) -> dict[str, Any]:
     endpoint = pull.getsockopt_string(zmq.LAST_ENDPOINT)
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
-    producer_args = [(rank, args.workers, args.prompts, endpoint, stop, mode == "same_work") for rank in range(args.workers)]
-    procs = [ctx.Process(target=zmq_producer, args=a, daemon=True) for a in producer_args]
+    generate = mode == "same_work"
+    procs = [
+        ctx.Process(target=zmq_producer, args=(rank, args.workers, args.prompts, endpoint, stop, generate), daemon=True)
+        for rank in range(args.workers)
+    ]
     try:
         for p in procs:
             p.start()
@@ -419,11 +453,12 @@ def run_zmq(args: argparse.Namespace, *, mode: str) -> dict[str, Any]:
         zctx.term()
 
 
+MP_QUEUE_PATHS = {"objects": "mp_queue", "bytes": "mp_queue_bytes", "numpy": "mp_queue_numpy"}
 ZMQ_PATHS = {"raw": "zmq_raw", "nodecode": "zmq_raw_nodecode", "same_work": "zmq_same_work"}
 PATHS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "asyncrl": run_asyncrl,
-    "mp_queue": partial(run_mp_queue, as_bytes=False),
-    "mp_queue_bytes": partial(run_mp_queue, as_bytes=True),
+    "asyncrl_slots16": partial(run_asyncrl, slots=16),
+    **{name: partial(run_mp_queue, mode=mode) for mode, name in MP_QUEUE_PATHS.items()},
     **{name: partial(run_zmq, mode=mode) for mode, name in ZMQ_PATHS.items()},
 }
 
@@ -470,13 +505,14 @@ def ratios(metrics: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if name != "asyncrl":
             key = f"asyncrl/{name}"
             value = ours / m["rollouts_per_s"]["median"]
-            out[key] = {"value": value, "target": TARGETS.get(key), "met": value >= TARGETS[key] if key in TARGETS else None}
+            target = TARGETS.get(key)
+            out[key] = {"value": value, "target": target, "met": None if target is None else value >= target}
     return out
 
 
-def write_json(report: dict[str, Any]) -> Path:
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"data_plane-{report['date'][:10]}.json"
+def write_json(report: dict[str, Any], path: Path | None) -> Path:
+    path = path or RESULTS_DIR / f"data_plane-{report['date'][:10]}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(report, indent=2) + "\n")
     os.replace(tmp, path)  # atomic: a reader never sees half a file
@@ -487,7 +523,9 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"\n{'path':<18}{'rollouts/s median (min-max)':>32}{'MB/s median (min-max)':>28}")
     for name, m in report["metrics"].items():
         r, b = m["rollouts_per_s"], m["mb_per_s"]
-        print(f"{name:<18}{r['median']:>14,.0f} ({r['min']:,.0f}-{r['max']:,.0f}){b['median']:>14,.1f} ({b['min']:,.1f}-{b['max']:,.1f})")
+        rate = f"{r['median']:,.0f} ({r['min']:,.0f}-{r['max']:,.0f})"
+        mbs = f"{b['median']:,.1f} ({b['min']:,.1f}-{b['max']:,.1f})"
+        print(f"{name:<18}{rate:>32}{mbs:>28}")
     for key, r in report["ratios"].items():
         target = "" if r["target"] is None else f"  target >= {r['target']}x: {'met' if r['met'] else 'MISSED'}"
         print(f"{key:<28}{r['value']:>6.2f}x{target}")
@@ -504,7 +542,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slots", type=int, default=WorkerConfig().slots, help="asyncrl worker credits per pool")
     p.add_argument("--max-batch", type=int, default=WorkerConfig().max_batch, help="leases per engine call")
     p.add_argument("--consumer-threads", type=int, default=1,
-                   help="torch intra-op threads of the consumer process, all paths (0 = torch's default); producers use 1")
+                   help="torch intra-op threads of the consumer (0 = torch's default); producers use 1")
     p.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {list(PATHS)}")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/data_plane-DATE.json)")
     args = p.parse_args(argv)
@@ -520,7 +558,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.consumer_threads > 0:
         torch.set_num_threads(args.consumer_threads)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    config.update(torch_threads_consumer=torch.get_num_threads(), prompt_tokens=PROMPT_TOKENS, response_tokens=RESPONSE_TOKENS, group_size=GROUP_SIZE, mb=MB)
+    config.update(torch_threads_consumer=torch.get_num_threads(), prompt_tokens=PROMPT_TOKENS,
+                  response_tokens=RESPONSE_TOKENS, group_size=GROUP_SIZE, mb=MB)
     date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     metrics = {}
     for name in args.paths:
@@ -529,15 +568,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{name:>16}: {m['median']:,.0f} rollouts/s (min {m['min']:,.0f}, max {m['max']:,.0f})", flush=True)
     report = {"benchmark": "data_plane", "date": date, "config": config, "machine": machine(),
               "metrics": metrics, "ratios": ratios(metrics)}
-    path = write_json(report) if args.out is None else _write_to(report, args.out)
+    path = write_json(report, args.out)
     print_table(report)
     print(f"\nwrote {path}")
-
-
-def _write_to(report: dict[str, Any], path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    return path
 
 
 if __name__ == "__main__":

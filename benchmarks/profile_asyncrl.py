@@ -10,8 +10,8 @@ started by this script instead of the loader's launcher, so that each can be pro
 
 cProfile is per thread, so each thread's ``_run`` (or main loop) is wrapped in its own profiler; the
 workers dump theirs when the loader shuts them down. Prints, per thread, the functions with the most
-own time as % of that thread's profiled time, and writes the ``.prof`` files next to the JSON results
-(open them with ``python -m pstats``). cProfile slows Python-heavy code, so read shares, not rates.
+own time as % of that thread's profiled time, and keeps the ``.prof`` files (``--out-dir``, default a
+temp dir; open them with ``python -m pstats``). cProfile slows Python-heavy code, so read shares, not rates.
 
     .venv/bin/python -m benchmarks.profile_asyncrl [--workers 2] [--seconds 8] [--top 18]
 """
@@ -23,6 +23,8 @@ import cProfile
 import functools
 import multiprocessing as mp
 import pstats
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,6 @@ from asyncrl.transport import zmq_transport
 from benchmarks.data_plane import (
     ENGINE,
     GROUP_SIZE,
-    RESULTS_DIR,
     Prompts,
     collate_counting,
     loader_batches,
@@ -58,17 +59,19 @@ def profile_method(cls: type, name: str, out: Path) -> None:
     setattr(cls, name, wrapper)
 
 
-def profiled_worker(endpoint: str, worker_id: str, out_dir: Path, inline_max_bytes: int | None, profile: bool) -> None:
+def profiled_worker(endpoint: str, worker_id: str, out_dir: Path, experiment: dict[str, Any], profile: bool) -> None:
     """A real rollout worker (``run_worker``), its main and sender threads profiled if ``profile``."""
-    import torch
-
     from asyncrl import codec
     from workers.worker import run_worker
 
     torch.set_num_threads(1)  # as LocalWorkerLauncher's OMP_NUM_THREADS=1
+    inline_max_bytes, switch_interval, slots = experiment["inline_max_bytes"], experiment["switch_interval"], experiment["slots"]
+    if switch_interval is not None:  # experiment: GIL hand-over latency between the worker's two threads
+        sys.setswitchinterval(switch_interval)
     if inline_max_bytes is not None:  # experiment: tensors up to this size travel inside the header frame
         codec.INLINE_MAX_BYTES = inline_max_bytes
-    run = functools.partial(run_worker, [endpoint], WorkerConfig(engine=ENGINE), TransportConfig(), worker_id=worker_id)
+    config = WorkerConfig(engine=ENGINE, slots=slots or WorkerConfig().slots)
+    run = functools.partial(run_worker, [endpoint], config, TransportConfig(), worker_id=worker_id)
     if not profile:
         return run()
     profile_method(zmq_transport.ZmqRolloutSender, "_run", out_dir / f"{worker_id}-sender.prof")
@@ -107,6 +110,26 @@ def report(path: Path, top: int) -> None:
         print(f"  {100 * tt / total:5.1f}% own {100 * ct / total:5.1f}% cum {calls:>9,} calls  {func}  ({where})")
 
 
+def run(args: argparse.Namespace, out_dir: Path) -> None:
+    """The asyncrl path with workers started here, so that every busy thread can be profiled."""
+    profile = not args.no_profile
+    if profile:
+        profile_method(zmq_transport.ZmqRolloutReceiver, "_run", out_dir / "consumer-receiver.prof")
+    config = LoaderConfig(group_size=GROUP_SIZE, max_staleness=None, capacity=64, num_workers=0, wait_timeout_s=120)
+    loader = RolloutLoader(Prompts(args.prompts), config, collate_fn=collate_counting)
+    ctx = mp.get_context("spawn")
+    experiment = {"inline_max_bytes": args.inline_max_bytes, "switch_interval": args.switch_interval, "slots": args.slots}
+    worker_args = [(loader.endpoint, f"w{i}", out_dir, experiment, profile) for i in range(args.workers)]
+    procs = [ctx.Process(target=profiled_worker, args=a) for a in worker_args]
+    try:
+        for proc in procs:
+            proc.start()
+        consume(loader, args.seconds, out_dir / "consumer-main.prof" if profile else None)
+    finally:
+        loader.close()  # SHUTDOWN to the workers: they return from run_worker and dump their profiles
+        stop_processes(procs, ctx.Event())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=2)
@@ -115,34 +138,25 @@ def main() -> None:
     p.add_argument("--top", type=int, default=18)
     p.add_argument("--consumer-threads", type=int, default=1, help="torch intra-op threads here (0 = default)")
     p.add_argument("--inline-max-bytes", type=int, default=None, help="experiment: codec.INLINE_MAX_BYTES in workers")
+    p.add_argument("--switch-interval", type=float, default=None, help="experiment: sys.setswitchinterval everywhere")
+    p.add_argument("--slots", type=int, default=None, help="experiment: WorkerConfig.slots")
     p.add_argument("--no-profile", action="store_true", help="measure rollouts/s of this set-up without cProfile")
+    p.add_argument("--out-dir", type=Path, default=None, help="where the .prof files go (default: a temp dir)")
     args = p.parse_args()
     if args.consumer_threads > 0:
         torch.set_num_threads(args.consumer_threads)
-    out_dir = RESULTS_DIR / "profile"
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="asyncrl-profile-"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    if not args.no_profile:
-        profile_method(zmq_transport.ZmqRolloutReceiver, "_run", out_dir / "consumer-receiver.prof")
-    config = LoaderConfig(group_size=GROUP_SIZE, max_staleness=None, capacity=64, num_workers=0, wait_timeout_s=120)
-    loader = RolloutLoader(Prompts(args.prompts), config, collate_fn=collate_counting)
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=profiled_worker, args=(loader.endpoint, f"w{i}", out_dir, args.inline_max_bytes, not args.no_profile))
-        for i in range(args.workers)
-    ]
-    try:
-        for proc in procs:
-            proc.start()
-        consume(loader, args.seconds, None if args.no_profile else out_dir / "consumer-main.prof")
-    finally:
-        loader.close()  # SHUTDOWN to the workers: they return from run_worker and dump their profiles
-        stop_processes(procs, ctx.Event())
+    run(args, out_dir)
     if args.no_profile:
         return
-    names = ["consumer-main", "consumer-receiver", *(f"w{i}-{t}" for i in range(args.workers) for t in ("main", "sender"))]
-    for name in names:
+    workers = [f"w{i}-{thread}" for i in range(args.workers) for thread in ("main", "sender")]
+    for name in ["consumer-main", "consumer-receiver", *workers]:
         if (out_dir / f"{name}.prof").exists():
             report(out_dir / f"{name}.prof", args.top)
+    print(f"\nprofiles in {out_dir} (python -m pstats FILE)")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,19 @@
-"""The rollout worker process loop: lease → generate → reward → send.
+"""The rollout worker process loop: [apply weights] → lease → generate → reward → send.
 
 ::
 
     pools (one per trainer rank) ══ZeroMQ══► sender I/O thread ──leases──► main thread
                                                                             │ engine.generate (blocks)
-                                            sender I/O thread ◄──groups──── │ reward_fn
-                                      (heartbeats continue while generating)
+                                            sender I/O thread ◄──groups──── │ reward_fn / environment
+    broadcaster ══► receiver I/O thread: stage + verify ──► main thread, between batches (safe point):
+                                                            engine.apply_weights → receiver.commit
 
-The main thread blocks only in ``take_leases`` (waiting for credits) and in the engine. A lease the
-worker cannot finish (engine or reward error) is reported as FAILED so the pool re-issues it at
-once; the worker carries on. It exits when every pool says SHUTDOWN, when every pool goes silent for
+The main thread blocks only in ``take_leases`` (waiting for credits), in the engine, and in
+applying a staged weight update. Version fencing: a version is applied only once all of it is
+staged and verified, and only at a safe point between generation batches, so every completion
+carries the version whose weights produced it (the engine reports it). A lease the worker cannot
+finish (engine or reward error) is reported as FAILED so the pool re-issues it at once; the worker
+carries on. It exits when every pool says SHUTDOWN, when every pool goes silent for
 ``transport.peer_timeout_s``, or when its parent process (the local launcher) is gone.
 """
 
@@ -20,12 +24,14 @@ import os
 import time
 import traceback
 from collections.abc import Sequence
+from typing import Any
 
 from asyncrl.config import TransportConfig, WorkerConfig
 from asyncrl.rollout import Group, Rollout
 from asyncrl.transport import ReceivedLease, RolloutSender, setup_rollout_sender
 from workers.engines.base import Completion, Engine, GenerationRequest, build_engine
-from workers.rewards import RewardFn, load_reward, split_reward
+from workers.environments import Environment, load_environment, run_episodes
+from workers.rewards import RewardFn, call_reward, load_reward, split_reward
 
 __all__ = ["RolloutWorker", "run_worker"]
 
@@ -53,6 +59,8 @@ class RolloutWorker:
         *,
         max_batch: int,
         parent_pid: int | None = None,
+        weights: Any | None = None,
+        environment: type[Environment] | None = None,
     ):
         self.worker_id = worker_id
         self.engine = engine
@@ -60,16 +68,37 @@ class RolloutWorker:
         self.sender = sender
         self.max_batch = max_batch
         self.parent_pid = parent_pid
+        self.weights = weights
+        self.environment = environment
         self.groups_sent = 0
+        self.weight_failures = 0
 
     def run(self) -> None:
         while not self.sender.done:
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
                 logger.warning("worker %s: parent %d is gone; exiting", self.worker_id, self.parent_pid)
                 return
+            self.apply_staged_weights()
             leases = self.sender.take_leases(self.max_batch, timeout=0.5)
             if leases:
                 self.step(leases)
+
+    def apply_staged_weights(self, update: Any | None = None) -> bool:
+        """Safe point: applies the newest fully staged weights, then commits their version."""
+        if self.weights is None:
+            return False
+        update = update if update is not None else self.weights.poll()
+        if update is None:
+            return False
+        try:
+            self.engine.apply_weights(update)
+        except Exception:  # deliberate fault tolerance: keep generating with the version we have
+            self.weight_failures += 1
+            logger.exception("worker %s: applying weights of version %d failed", self.worker_id, update.version)
+            return False
+        self.weights.commit(update.version)
+        logger.info("worker %s: now at policy version %d", self.worker_id, update.version)
+        return True
 
     def step(self, leases: Sequence[ReceivedLease]) -> None:
         """Generates, rewards and sends one batch of leases."""
@@ -83,7 +112,10 @@ class RolloutWorker:
         ]
         try:
             t0 = time.perf_counter()
-            completions = self.engine.generate(requests)
+            if self.environment is not None:
+                completions = run_episodes(self.engine, self.environment, requests)
+            else:
+                completions = self.engine.generate(requests)
             t1 = time.perf_counter()
             groups = [self._group(lease, cs, t1 - t0) for lease, cs in zip(leases, completions)]
         except Exception as e:  # deliberate fault tolerance: report the batch, keep serving
@@ -98,9 +130,10 @@ class RolloutWorker:
 
     def _group(self, lease: ReceivedLease, completions: list[Completion], generate_s: float) -> Group:
         t0 = time.perf_counter()
-        values = self.reward_fn([lease.prompt] * len(completions), completions)
-        if len(values) != len(completions):
-            raise ValueError(f"reward function returned {len(values)} values for {len(completions)} completions")
+        if self.environment is not None:
+            values = [float(c.env_reward or 0.0) for c in completions]
+        else:
+            values = call_reward(self.reward_fn, [lease.prompt] * len(completions), completions)
         reward_s = time.perf_counter() - t0
         rollouts = []
         for sample, (c, value) in enumerate(zip(completions, values)):
@@ -139,11 +172,40 @@ def run_worker(
     """Builds the engine and reward, connects to the pools and serves until shut down."""
     engine = build_engine(config.engine)
     reward_fn = load_reward(config.reward)
+    environment = load_environment(config.environment) if config.environment else None
+    receiver = None
+    if config.weights.type != "none":
+        from asyncrl.weights import setup_weight_receiver
+
+        if not config.weights.address:
+            raise ValueError(f"worker.weights.type={config.weights.type!r} needs worker.weights.address")
+        receiver = setup_weight_receiver(config.weights.type, config.weights.address, receiver_id=worker_id)
+        receiver.start()
+    worker = RolloutWorker(
+        worker_id,
+        engine,
+        reward_fn,
+        None,  # type: ignore[arg-type] - connected below, once the current weights are in
+        max_batch=config.max_batch,
+        parent_pid=parent_pid,
+        weights=receiver,
+        environment=environment,
+    )
+    if receiver is not None:  # a late joiner starts from the current weights, not the initial ones
+        first = receiver.wait(0, timeout=config.weights.wait_for_first_s)
+        if first is None:
+            logger.warning("worker %s: no weights within %s s (worker.weights.wait_for_first_s); "
+                           "starting with the engine's own", worker_id, config.weights.wait_for_first_s)
+        else:
+            worker.apply_staged_weights(first)
     sender = setup_rollout_sender(transport, endpoints, worker_id=worker_id, slots=config.slots, server_key=server_key)
+    worker.sender = sender
     sender.start()
-    logger.info("worker %s: serving %s", worker_id, list(endpoints))
+    logger.info("worker %s: serving %s at policy version %d", worker_id, list(endpoints), engine.policy_version)
     try:
-        RolloutWorker(worker_id, engine, reward_fn, sender, max_batch=config.max_batch, parent_pid=parent_pid).run()
+        worker.run()
     finally:
         sender.close()
+        if receiver is not None:
+            receiver.close()
         engine.close()

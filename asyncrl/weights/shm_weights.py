@@ -393,12 +393,12 @@ class ShmWeightReceiver(WeightReceiver):
                     return
                 buffers.append(buf)
                 offset += b.nbytes
+                self._staging.count("bytes_received", b.nbytes)
         finally:
             os.close(fd)
         tensors: dict[str, torch.Tensor] = {}
         for b, buf in zip(m["buckets"], buffers):
             tensors.update(unpack_bucket(b, buf))
-        self._staging.count("bytes_received", offset)
         meta = {"receiver_id": self.receiver_id, "buckets": len(buffers), "staged_at": time.monotonic(),
                 "transfer_s": time.monotonic() - started}
         self._staging.stage(WeightUpdate(version=version, mode=m["mode"], tensors=tensors,

@@ -78,6 +78,8 @@ MAX_REQUEST_BYTES = 1 << 20
 CONTROL_MAX_BYTES = 64 << 20
 """Largest manifest a receiver accepts; bucket messages may be as large as their bucket + 1 MiB."""
 SNDHWM = 1000
+COMMIT_LINGER_MS = 1000
+"""How long close() lets a just-sent COMMIT reach the broadcaster."""
 
 WANT, GET, COMMIT = "w_want", "w_get", "w_commit"
 MANIFEST, NONE, BUCKET, GONE, ANNOUNCE = "w_manifest", "w_none", "w_bucket", "w_gone", "w_announce"
@@ -145,6 +147,8 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
         self._versions: collections.deque[_Version] = collections.deque()
         self._last_version: int | None = None
         self._announce: int | None = None
+        self._wake_addr = f"inproc://asyncrl-weights-wake-{id(self):x}"
+        self._waker: zmq.Socket | None = None  # trainer side of the wake-up pipe, used under _publish_lock
         self._corrupt_next: int | None = None
         self._committed: dict[str, int] = {}
         self._peers: dict[bytes, str] = {}
@@ -201,8 +205,20 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
                 self._last_version = version
                 self._announce = version
                 self._counters["versions_published"] += 1
+            self._wake()
         return {"version": version, "bytes": nbytes, "buckets": len(buckets),
                 "snapshot_s": t1 - t0, "checksum_s": t2 - t1, "publish_s": time.perf_counter() - t0}
+
+    def _wake(self) -> None:
+        """Wakes the I/O thread so the ANNOUNCE goes out now, not on its next tick."""
+        if self._waker is None:
+            self._waker = self._ctx.socket(zmq.PUSH)
+            self._waker.setsockopt(zmq.LINGER, 0)
+            self._waker.connect(self._wake_addr)
+        try:
+            self._waker.send(b"", zmq.NOBLOCK)
+        except zmq.Again:  # a wake-up is already pending
+            pass
 
     def corrupt_next(self, bucket_index: int) -> None:
         """Fault injection for tests: the next published version serves ``bucket_index`` corrupted.
@@ -240,6 +256,10 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
 
     def close(self) -> None:
         self._stop.set()
+        with self._publish_lock:
+            if self._waker is not None:
+                self._waker.close(linger=0)
+                self._waker = None
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
             if not self._thread.is_alive():
@@ -250,22 +270,34 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
 
     # -- I/O thread ----------------------------------------------------------------------------
     def _run(self) -> None:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a gone receiver raises instead of vanishing silently
+        sock.setsockopt(zmq.SNDHWM, SNDHWM)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        wake = self._ctx.socket(zmq.PULL)
+        wake.setsockopt(zmq.LINGER, 0)
         try:
-            sock = self._ctx.socket(zmq.ROUTER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a gone receiver raises instead of vanishing silently
-            sock.setsockopt(zmq.SNDHWM, SNDHWM)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+            wake.bind(self._wake_addr)
             sock.bind(self.bind)
             self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         except Exception as e:  # reported to __init__ in the caller's thread
             self._error = e
+            sock.close(linger=0)
+            wake.close(linger=0)
             self._ready.set()
             return
         self._ready.set()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if sock.poll(int(TICK_S * 1000)):
+                events = dict(poller.poll(int(TICK_S * 1000)))
+                if wake in events:
+                    while wake.poll(0):
+                        wake.recv()
+                if sock in events:
                     for _ in range(MAX_DRAIN):
                         try:
                             frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -283,6 +315,7 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
             self._error = e
         finally:
             sock.close(linger=0)
+            wake.close(linger=0)
 
     def _send(self, sock: zmq.Socket, identity: bytes, frames: list[Any]) -> bool:
         try:
@@ -388,6 +421,7 @@ class ZmqWeightReceiver(WeightReceiver):
         self._next_want = 0.0
         self._failed_version: int | None = None
         self._retry_after = 0.0
+        self._last_commit = -1e9
         self._finalizer = weakref.finalize(self, _stop_thread, self._stop)
 
     # -- worker thread -------------------------------------------------------------------------
@@ -455,11 +489,19 @@ class ZmqWeightReceiver(WeightReceiver):
             logger.exception("receiver %s: weight I/O thread died", self.receiver_id)
             self._staging.die(e)
         finally:
-            sock.close(linger=0)
+            # a commit made just before close() still reaches the broadcaster; nothing else is worth waiting for
+            sent = self._flush_commits(sock)
+            sock.close(linger=COMMIT_LINGER_MS if sent or time.monotonic() - self._last_commit < 1 else 0)
 
-    def _tick(self, sock: zmq.Socket, now: float) -> None:
+    def _flush_commits(self, sock: zmq.Socket) -> bool:
+        sent = False
         while self._commits:
             self._send(sock, COMMIT, {"receiver_id": self.receiver_id, "version": self._commits.popleft()})
+            self._last_commit, sent = time.monotonic(), True
+        return sent
+
+    def _tick(self, sock: zmq.Socket, now: float) -> None:
+        self._flush_commits(sock)
         if now >= self._next_want:
             self._next_want = now + WANT_INTERVAL_S
             self._send(sock, WANT, {"receiver_id": self.receiver_id, "have": self._staging.newest(),

@@ -20,10 +20,8 @@ from datapipes.collate import collate_groups
 from workers.engines.base import Completion, GenerationRequest, build_engine
 from workers.engines.hf import HFEngine
 from workers.tiny_model import build_tiny_model
+from tests.engine_utils import PROMPTS, SAMPLING, TOL, collate, load_model, lora_update, max_logprob_diff
 
-TOL = 1e-4
-SAMPLING = dict(temperature=0.8, top_k=20, top_p=0.95)
-PROMPTS = [{"text": "hello"}, {"prompt_ids": [1, 40, 41, 42]}, {"text": "The quick brown fox"}]
 EOS = 2
 
 
@@ -37,49 +35,10 @@ def make_engine(model_dir: str, **overrides: Any) -> HFEngine:
     return build_engine(EngineConfig(**{**kw, **overrides}))
 
 
-def load_model(model_dir: str, device: str = "cpu") -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-
-
 def generate(engine: HFEngine, n: int = 4) -> list[list[Completion]]:
     requests = [GenerationRequest(epoch=0, prompt_index=i, prompt=p, n=n) for i, p in enumerate(PROMPTS)]
     return engine.generate(requests)
 
-
-def collate(completions: list[list[Completion]]) -> dict[str, Any]:
-    groups = [
-        Group(
-            epoch=0,
-            prompt_index=i,
-            rollouts=[
-                Rollout(
-                    epoch=0,
-                    prompt_index=i,
-                    sample_index=s,
-                    worker_id="w0",
-                    policy_version=c.policy_version,
-                    prompt_ids=c.prompt_ids,
-                    response_ids=c.response_ids,
-                    logprobs=c.logprobs,
-                    finish_reason=c.finish_reason,
-                )
-                for s, c in enumerate(cs)
-            ],
-        )
-        for i, cs in enumerate(completions)
-    ]
-    return collate_groups(groups)
-
-
-def max_logprob_diff(model: torch.nn.Module, completions: list[list[Completion]], **sampling: Any) -> float:
-    """max |engine logprob - trainer logprob| over all response tokens."""
-    batch = collate(completions)
-    ours = token_logprobs(model, batch["input_ids"], batch["attention_mask"], **sampling).cpu()
-    mask = batch["loss_mask"]
-    assert mask.sum() == sum(c.response_ids.numel() for cs in completions for c in cs)
-    return (ours[mask] - batch["rollout_logprobs"][mask]).abs().max().item()
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -170,24 +129,6 @@ def test_full_update_arrives_and_aligns(model_dir):
     assert engine.policy_version == 1
 
 
-def lora_update(model_dir: str, version: int) -> tuple[WeightUpdate, torch.nn.Module]:
-    """A LoRA update as a trainer publishes it, and the merged model it stands for."""
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-    peft_model = get_peft_model(load_model(model_dir), config)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-    tensors = {k: v.clone() for k, v in get_peft_model_state_dict(peft_model).items()}
-    # As it arrives off the wire: sets become lists, enums their values.
-    wire_config = {k: sorted(v) if isinstance(v, set) else getattr(v, "value", v) for k, v in config.to_dict().items()}
-    update = WeightUpdate(version=version, mode="lora", tensors=tensors, lora_config=wire_config)
-    return update, peft_model.merge_and_unload().eval()
-
-
 def test_lora_update_aligns_with_merged_model(model_dir):
     engine = make_engine(model_dir, lora_rank=4)
     update, merged = lora_update(model_dir, version=3)
@@ -206,6 +147,11 @@ def test_lora_update_aligns_with_merged_model(model_dir):
     bad = WeightUpdate(version=5, mode="lora", tensors={"x": torch.zeros(1)}, lora_config=update.lora_config)
     with pytest.raises(ValueError, match=r"unexpected \['x'\]"):
         engine.apply_weights(bad)
+
+    # A full update drops the adapter: generations follow the base weights sent.
+    base = load_model(model_dir)
+    engine.apply_weights(WeightUpdate(version=5, mode="full", tensors=base.state_dict()))
+    assert max_logprob_diff(base, generate(engine), **SAMPLING) <= TOL
 
 
 def test_lora_needs_lora_rank(model_dir):

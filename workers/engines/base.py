@@ -38,6 +38,10 @@ class Completion:
     policy_version: int
     version_spans: list[tuple[int, int, int]] = field(default_factory=list)
     loss_mask: torch.Tensor | None = None
+    text: str | None = None
+    """The decoded response (engines with a tokenizer), for reward functions and environments."""
+    env_reward: float | None = None
+    """Multi-turn episodes: the summed environment reward (used instead of the reward function)."""
 
 
 class Engine(abc.ABC):
@@ -52,6 +56,13 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
         """Completes each request ``request.n`` times; returns one list per request."""
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` without special tokens (environments' observations)."""
+        raise NotImplementedError(f"{type(self).__name__} has no tokenizer")
+
+    def decode(self, ids: Any) -> str:
+        raise NotImplementedError(f"{type(self).__name__} has no tokenizer")
 
     def set_policy_version(self, version: int) -> None:
         self.policy_version = version

@@ -9,6 +9,7 @@ per-token delay stands in for decoding time (batched: a batch takes as long as i
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,6 +58,18 @@ class FakeEngine(Engine):
             finish_reason="length" if length == c.max_new_tokens else "stop",
             policy_version=self.policy_version,
         )
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: Any) -> str:
+        return bytes(int(i) % 256 for i in ids).decode(errors="replace")
+
+    def apply_weights(self, update: Any) -> None:
+        """Adopts the update's version (the fake engine has no weights); from now on it follows the
+        broadcaster instead of the version the pool announces."""
+        self.follows_pool_version = False
+        self.policy_version = update.version
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
         out = []

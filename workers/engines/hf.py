@@ -45,6 +45,8 @@ class HFEngine(Engine):
 
         if config.type != "hf" or not config.model:
             raise ValueError(f"HFEngine needs engine.type='hf' and engine.model, got {config.type=} {config.model=}")
+        if config.max_new_tokens < 1:
+            raise ValueError(f"engine.{config.max_new_tokens=} must be >= 1 for the hf engine")
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
@@ -90,6 +92,8 @@ class HFEngine(Engine):
             return []
         prompts = [self._prompt_ids(r.prompt) for r in requests]
         rows = [p for p, r in zip(prompts, requests) for _ in range(r.n)]
+        if not rows:
+            return [[] for _ in requests]
         width = max(p.numel() for p in rows)
         input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -129,22 +133,28 @@ class HFEngine(Engine):
             )
         new = out.sequences[:, input_ids.shape[1] :]
         # One step at a time: a [N, T, V] log-softmax would double the memory generate already holds.
-        logprobs = torch.stack(
-            [torch.log_softmax(s.float(), dim=-1).gather(-1, new[:, t, None]).squeeze(-1) for t, s in enumerate(out.scores)],
-            dim=1,
-        )
+        steps = [torch.log_softmax(s.float(), dim=-1).gather(-1, new[:, t, None]) for t, s in enumerate(out.scores)]
+        logprobs = torch.cat(steps, dim=1)
         return out.sequences.cpu(), logprobs.cpu()
 
     def _completion(self, prompt_ids: torch.Tensor, new: torch.Tensor, logprobs: torch.Tensor) -> Completion:
         stops = torch.isin(new, torch.tensor(self.stop_ids, dtype=new.dtype)).nonzero()
         length = int(stops[0, 0]) + 1 if stops.numel() else new.numel()
+        response = new[:length].to(torch.int32)
         return Completion(
             prompt_ids=prompt_ids,
-            response_ids=new[:length].to(torch.int32),
+            response_ids=response,
             logprobs=logprobs[:length].to(torch.float32),
             finish_reason="stop" if stops.numel() else "length",
             policy_version=self.policy_version,
+            text=self.decode(response),
         )
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def decode(self, ids: Any) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
     # -- weights ------------------------------------------------------------------------------------
 
@@ -171,16 +181,15 @@ class HFEngine(Engine):
         # Validated against the base model's names before anything changes, adapter or not.
         self._check_names("full", set(tensors), set(self._base_shapes))
         for name, t in tensors.items():
-            if tuple(t.shape) != self._base_shapes[name]:
-                raise ValueError(f"full weight update: {name} has shape {tuple(t.shape)}, model has {self._base_shapes[name]}")
+            if (shape := tuple(t.shape)) != self._base_shapes[name]:
+                raise ValueError(f"full weight update: {name} has shape {shape}, model has {self._base_shapes[name]}")
         if self._lora_config is not None:
             # A full update replaces the policy: the adapter trained on the old base weights goes with it.
             self.model = self.model.unload()
             self._lora_config = None
         target = self.model.state_dict()
-        self.model.load_state_dict(
-            {name: t.to(device=target[name].device, dtype=target[name].dtype) for name, t in tensors.items()}, strict=True
-        )
+        state = {name: t.to(device=target[name].device, dtype=target[name].dtype) for name, t in tensors.items()}
+        self.model.load_state_dict(state, strict=True)
 
     def _apply_lora(self, tensors: dict[str, torch.Tensor], lora_config: dict[str, Any] | None) -> None:
         from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict

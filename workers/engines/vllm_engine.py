@@ -29,6 +29,7 @@ from workers.engines.base import Completion, Engine, GenerationRequest
 __all__ = ["VLLMEngine"]
 
 LORA_NAME = "asyncrl-policy"
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's max_lora_rank accepts
 
 
 def _json_default(obj: Any) -> Any:
@@ -47,7 +48,12 @@ class VLLMEngine(Engine):
         from vllm import LLM
 
         self.config = config
-        lora = {"enable_lora": True, "max_lora_rank": config.lora_rank, "max_loras": 1} if config.lora_rank else {}
+        lora = {}
+        if config.lora_rank:
+            max_rank = next((r for r in _VLLM_LORA_RANKS if r >= config.lora_rank), None)
+            if max_rank is None:
+                raise ValueError(f"engine.lora_rank={config.lora_rank} exceeds vLLM's largest LoRA rank {_VLLM_LORA_RANKS[-1]}")
+            lora = {"enable_lora": True, "max_lora_rank": max_rank, "max_loras": 1}
         self.llm = LLM(
             model=config.model,
             dtype=config.dtype,
@@ -116,9 +122,23 @@ class VLLMEngine(Engine):
             finish_reason=c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop",
             policy_version=min(v for v, _, _ in spans),
             version_spans=spans if len(spans) > 1 else [],
+            text=c.text,
         )
 
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def decode(self, ids: Any) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
     def apply_weights(self, update: Any) -> None:
+        """Loads a :class:`~asyncrl.weights.WeightUpdate` and labels vLLM's weights with its version.
+
+        Raises:
+            ValueError: for a version not newer than the current one or an unknown mode.
+        """
+        if update.version <= self.policy_version:
+            raise ValueError(f"weight update {update.version=} must be newer than {self.policy_version=}")
         if update.mode == "full":
             from safetensors.torch import save
 

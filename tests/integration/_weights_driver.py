@@ -1,0 +1,68 @@
+"""Receiver process for test_weights_processes: stages, checks and commits the versions it is told.
+
+Prints one JSON line per event on stdout: ``ready``, ``progress`` (bytes received, while a version
+is in flight), ``staged`` (with a crc32 per tensor) and ``committed``. ``--delay`` sleeps that long
+per verified bucket (a slow receiver, so the test can kill it mid-transfer).
+
+    python _weights_driver.py BACKEND ADDRESS RECEIVER_ID --versions 1,2 [--window 1] [--delay 0.02]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import zlib
+
+import asyncrl.weights.shm_weights as shm_weights
+import asyncrl.weights.zmq_weights as zmq_weights
+from asyncrl.weights import setup_weight_receiver
+from asyncrl.weights._staging import tensor_bytes
+
+
+def emit(**event) -> None:
+    print(json.dumps(event), flush=True)
+
+
+def slow_checksum(delay: float):
+    real = zmq_weights.bucket_checksum
+
+    def checksum(data):
+        time.sleep(delay)
+        return real(data)
+
+    return checksum
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("backend")
+    p.add_argument("address")
+    p.add_argument("receiver_id")
+    p.add_argument("--versions", required=True)
+    p.add_argument("--window", type=int, default=2)
+    p.add_argument("--delay", type=float, default=0.0)
+    args = p.parse_args()
+    if args.delay:
+        zmq_weights.bucket_checksum = shm_weights.bucket_checksum = slow_checksum(args.delay)
+    kw = {"window": args.window, "timeout_s": 20.0} if args.backend == "zmq" else {}
+    r = setup_weight_receiver(args.backend, args.address, receiver_id=args.receiver_id, **kw)
+    r.start()
+    emit(event="ready")
+    for version in map(int, args.versions.split(",")):
+        last = None
+        while (update := r.wait(version, 0.02)) is None:
+            got = r.stats().get("bytes_received", 0)
+            if got != last:
+                emit(event="progress", version=version, bytes=got)
+                last = got
+        crcs = {name: zlib.crc32(tensor_bytes(t)) for name, t in update.tensors.items()}
+        emit(event="staged", version=update.version, checksums=crcs, nbytes=update.nbytes)
+        r.commit(update.version)
+        emit(event="committed", version=update.version)
+    r.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
