@@ -65,12 +65,11 @@ def profiled_worker(endpoint: str, worker_id: str, out_dir: Path, experiment: di
     from workers.worker import run_worker
 
     torch.set_num_threads(1)  # as LocalWorkerLauncher's OMP_NUM_THREADS=1
-    inline_max_bytes, switch_interval, slots = experiment["inline_max_bytes"], experiment["switch_interval"], experiment["slots"]
-    if switch_interval is not None:  # experiment: GIL hand-over latency between the worker's two threads
-        sys.setswitchinterval(switch_interval)
-    if inline_max_bytes is not None:  # experiment: tensors up to this size travel inside the header frame
-        codec.INLINE_MAX_BYTES = inline_max_bytes
-    config = WorkerConfig(engine=ENGINE, slots=slots or WorkerConfig().slots)
+    if experiment["switch_interval"] is not None:  # experiment: GIL hand-over latency between the worker's threads
+        sys.setswitchinterval(experiment["switch_interval"])
+    if experiment["inline_max_bytes"] is not None:  # experiment: tensors up to this size travel in the header frame
+        codec.INLINE_MAX_BYTES = experiment["inline_max_bytes"]
+    config = WorkerConfig(engine=ENGINE, slots=experiment["slots"] or WorkerConfig().slots)
     run = functools.partial(run_worker, [endpoint], config, TransportConfig(), worker_id=worker_id)
     if not profile:
         return run()
@@ -118,7 +117,7 @@ def run(args: argparse.Namespace, out_dir: Path) -> None:
     config = LoaderConfig(group_size=GROUP_SIZE, max_staleness=None, capacity=64, num_workers=0, wait_timeout_s=120)
     loader = RolloutLoader(Prompts(args.prompts), config, collate_fn=collate_counting)
     ctx = mp.get_context("spawn")
-    experiment = {"inline_max_bytes": args.inline_max_bytes, "switch_interval": args.switch_interval, "slots": args.slots}
+    experiment = {k: getattr(args, k) for k in ("inline_max_bytes", "switch_interval", "slots")}
     worker_args = [(loader.endpoint, f"w{i}", out_dir, experiment, profile) for i in range(args.workers)]
     procs = [ctx.Process(target=profiled_worker, args=a) for a in worker_args]
     try:

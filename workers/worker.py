@@ -83,10 +83,22 @@ class RolloutWorker:
             if leases:
                 self.step(leases)
 
+    def _report(self) -> None:
+        """What the pools see of this worker in their stats (sent with heartbeats)."""
+        if self.sender is None:
+            return
+        status: dict[str, Any] = {"policy_version": self.engine.policy_version, "groups_sent": self.groups_sent}
+        if self.weights is not None:
+            failures = self.weights.stats().get("failures", 0)
+            status["weight_sync_failures"] = failures if isinstance(failures, int) else len(failures)
+            status["weight_apply_failures"] = self.weight_failures
+        self.sender.status = status
+
     def apply_staged_weights(self, update: Any | None = None) -> bool:
         """Safe point: applies the newest fully staged weights, then commits their version."""
         if self.weights is None:
             return False
+        self._report()
         update = update if update is not None else self.weights.poll()
         if update is None:
             return False
@@ -98,6 +110,7 @@ class RolloutWorker:
             return False
         self.weights.commit(update.version)
         logger.info("worker %s: now at policy version %d", self.worker_id, update.version)
+        self._report()
         return True
 
     def step(self, leases: Sequence[ReceivedLease]) -> None:
@@ -127,6 +140,7 @@ class RolloutWorker:
         for lease, group in zip(leases, groups):
             self.sender.send_group(lease, group)
             self.groups_sent += 1
+        self._report()
 
     def _group(self, lease: ReceivedLease, completions: list[Completion], generate_s: float) -> Group:
         t0 = time.perf_counter()

@@ -79,6 +79,9 @@ class RolloutReceiver(abc.ABC):
 class RolloutSender(abc.ABC):
     """Worker-side end: receives leases from pools, sends groups back."""
 
+    status: dict[str, int | float | str]
+    """Small flat dict the worker keeps current (policy version, failures); pools see it in their stats."""
+
     @abc.abstractmethod
     def start(self) -> None:
         """Connects and handshakes with every pool.

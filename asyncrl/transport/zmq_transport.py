@@ -91,6 +91,7 @@ class _Peer:
     joined: float
     last_seen: float
     groups: int = 0
+    status: dict[str, Any] | None = None
 
 
 class ZmqRolloutReceiver(RolloutReceiver):
@@ -159,7 +160,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
             out: dict[str, Any] = dict(self._counters)
             out["recent_errors"] = list(self._recent_errors)
             out["workers"] = {
-                p.worker_id: {"pid": p.pid, "host": p.host, "slots": p.slots, "groups": p.groups}
+                p.worker_id: {"pid": p.pid, "host": p.host, "slots": p.slots, "groups": p.groups, **(p.status or {})}
                 for p in self._peers.values()
             }
         return out
@@ -278,6 +279,10 @@ class ZmqRolloutReceiver(RolloutReceiver):
                 self._drop_peer(identity, "worker_left")
         elif peer is None:  # heartbeat from a worker we declared dead or never met
             self._send(sock, identity, P.RESYNC, {})
+        elif kind == P.HEARTBEAT and isinstance(body.get("status"), dict):
+            status = body["status"]
+            if len(status) <= 16 and all(isinstance(k, str) and isinstance(v, (int, float, str)) for k, v in status.items()):
+                peer.status = {k: v[:200] if isinstance(v, str) else v for k, v in status.items()}
 
     def _hello(self, sock: zmq.Socket, identity: bytes, body: dict[str, Any], now: float) -> None:
         for other, p in list(self._peers.items()):
@@ -412,6 +417,8 @@ class ZmqRolloutSender(RolloutSender):
         self._thread: threading.Thread | None = None
         self.policy_version = 0
         self.counters: collections.Counter[str] = collections.Counter()
+        self.status: dict[str, int | float | str] = {}
+        """Reported to every pool with each heartbeat (engine policy version, weight-sync failures, ...)."""
 
     # -- main thread ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -599,7 +606,7 @@ class ZmqRolloutSender(RolloutSender):
                 next_heartbeat = now + self.config.heartbeat_s
                 for i, d in enumerate(dealers):
                     if self._welcomed[i] and not self._shutdown[i]:
-                        self._send(d, P.HEARTBEAT, {})
+                        self._send(d, P.HEARTBEAT, {"status": dict(self.status)})
             live = [i for i in range(n) if self._welcomed[i] and not self._shutdown[i]]
             if live and all(self._lost[i] for i in live) and not any(
                 not self._welcomed[i] and not self._abandoned[i] for i in range(n)

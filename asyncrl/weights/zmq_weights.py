@@ -76,7 +76,7 @@ RETRY_S = 1.0
 """A failed version is fetched again at the earliest this long after the failure."""
 MAX_REQUEST_BYTES = 1 << 20
 CONTROL_MAX_BYTES = 64 << 20
-"""Largest manifest a receiver accepts; bucket messages may be as large as their bucket + 1 MiB."""
+"""Largest manifest a receiver accepts; bucket messages may be as large as the largest bucket seen + 1 MiB."""
 SNDHWM = 1000
 COMMIT_LINGER_MS = 1000
 """How long close() lets a just-sent COMMIT reach the broadcaster."""
@@ -351,7 +351,10 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
                 if body["committed"] is not None:
                     self._record_commit(body["receiver_id"], body["committed"])
                 newest = self._versions[-1] if self._versions else None
-            self._send(sock, identity, newest.manifest if newest is not None else encode(NONE, {}))
+            if newest is None or (body["have"] is not None and newest.version <= body["have"]):
+                self._send(sock, identity, encode(NONE, {}))  # nothing newer than what it has
+            else:
+                self._send(sock, identity, newest.manifest)
         elif kind == GET:
             self._get(sock, identity, body["version"], body["index"])
         else:
@@ -386,7 +389,6 @@ class _Transfer:
     buckets: list[Bucket]
     started: float
     last_progress: float
-    max_bytes: int
     next_index: int = 0
     inflight: set[int] = field(default_factory=set)
     buffers: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -401,6 +403,9 @@ class ZmqWeightReceiver(WeightReceiver):
         window: bucket requests in flight at once (memory in flight <= window x bucket size).
         timeout_s: how long :meth:`start` waits for the broadcaster's first reply, and how long a
             transfer may go without receiving a bucket before it fails.
+
+    Memory: the staged (not yet committed) update, plus one transfer in progress, plus at most
+    ``window`` buckets in flight in ZeroMQ's queues.
     """
 
     def __init__(self, address: str, *, receiver_id: str, window: int = 2, timeout_s: float = 30.0):
@@ -422,6 +427,7 @@ class ZmqWeightReceiver(WeightReceiver):
         self._failed_version: int | None = None
         self._retry_after = 0.0
         self._last_commit = -1e9
+        self._max_bytes = CONTROL_MAX_BYTES  # grows with the largest bucket seen: stale buckets still decode
         self._finalizer = weakref.finalize(self, _stop_thread, self._stop)
 
     # -- worker thread -------------------------------------------------------------------------
@@ -520,7 +526,7 @@ class ZmqWeightReceiver(WeightReceiver):
         now = time.monotonic()
         t = self._transfer
         try:
-            kind, body = decode(frames, max_message_bytes=CONTROL_MAX_BYTES if t is None else t.max_bytes)
+            kind, body = decode(frames, max_message_bytes=self._max_bytes)
             _check(kind, body, BROADCASTER_KINDS)
         except DecodeError as e:  # bad input: counted; it poisons the transfer it may belong to
             self._staging.count("bad_messages")
@@ -562,8 +568,8 @@ class ZmqWeightReceiver(WeightReceiver):
             self._staging.count("abandoned")
             logger.info("receiver %s: abandoning version %d for newer %d", self.receiver_id, t.version, version)
         max_bucket = max((b.nbytes for b in buckets), default=0)
-        self._transfer = _Transfer(version, body["mode"], body["lora_config"], buckets, now, now,
-                                   max(CONTROL_MAX_BYTES, max_bucket + (1 << 20)))
+        self._max_bytes = max(self._max_bytes, max_bucket + (1 << 20))
+        self._transfer = _Transfer(version, body["mode"], body["lora_config"], buckets, now, now)
         self._request(sock)
         self._maybe_finish(now)
 

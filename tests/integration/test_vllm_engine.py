@@ -59,5 +59,5 @@ def test_vllm_weights_and_logprobs_follow_every_update(engine, model_dir, record
     record_property("max_abs_dlogp", {"base": d0, "lora": d1, "full_update": d2})
     print(f"vLLM max |dlogp|: base {d0:.2e}, after LoRA {d1:.2e}, after full update {d2:.2e}")
 
-    with pytest.raises(ValueError, match="newer"):
-        engine.apply_weights(WeightUpdate(version=2, mode="full", tensors=new_base))
+    with pytest.raises(ValueError, match="older"):
+        engine.apply_weights(WeightUpdate(version=1, mode="full", tensors=new_base))

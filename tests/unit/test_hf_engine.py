@@ -120,8 +120,8 @@ def test_full_update_arrives_and_aligns(model_dir):
     assert diff_new <= TOL
     assert diff_old > 100 * TOL
 
-    with pytest.raises(ValueError, match="must be newer than"):
-        engine.apply_weights(WeightUpdate(version=1, mode="full", tensors=new.state_dict()))
+    with pytest.raises(ValueError, match="is older than"):
+        engine.apply_weights(WeightUpdate(version=0, mode="full", tensors=new.state_dict()))
     partial = dict(new.state_dict())
     partial.pop("lm_head.weight")
     with pytest.raises(ValueError, match=r"missing \['lm_head.weight'\]"):

@@ -162,13 +162,13 @@ class HFEngine(Engine):
         """Loads a :class:`~asyncrl.weights.WeightUpdate`; later completions carry ``update.version``.
 
         Raises:
-            ValueError: a version not newer than the current one, an unknown mode, missing/unexpected
+            ValueError: a version older than the current one, an unknown mode, missing/unexpected
                 tensor names or mismatched shapes, a LoRA update with ``engine.lora_rank`` unset or smaller
                 than the adapter's rank, or a LoRA config differing from the first one. The policy is
                 unchanged then.
         """
-        if update.version <= self.policy_version:
-            raise ValueError(f"weight update {update.version=} must be newer than {self.policy_version=}")
+        if update.version < self.policy_version:  # equal: a reload (e.g. version 0 published at start-up)
+            raise ValueError(f"weight update {update.version=} is older than the engine's {self.policy_version=}")
         if update.mode == "full":
             self._apply_full(update.tensors)
         elif update.mode == "lora":

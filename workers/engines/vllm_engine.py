@@ -135,10 +135,10 @@ class VLLMEngine(Engine):
         """Loads a :class:`~asyncrl.weights.WeightUpdate` and labels vLLM's weights with its version.
 
         Raises:
-            ValueError: for a version not newer than the current one or an unknown mode.
+            ValueError: for a version older than the current one or an unknown mode.
         """
-        if update.version <= self.policy_version:
-            raise ValueError(f"weight update {update.version=} must be newer than {self.policy_version=}")
+        if update.version < self.policy_version:  # equal: a reload (e.g. version 0 published at start-up)
+            raise ValueError(f"weight update {update.version=} is older than the engine's {self.policy_version=}")
         if update.mode == "full":
             from safetensors.torch import save
 
