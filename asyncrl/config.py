@@ -130,6 +130,9 @@ class WorkerConfig:
     """``module:Class`` of a multi-turn environment; its step rewards replace the reward function."""
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """Weight sync from the trainer."""
+    interrupt_every_tokens: int = 0
+    """0: new weights are applied between generation batches (safe points). c > 0: generate in chunks of c
+    tokens and apply new weights between chunks (partial rollouts with per-token version spans)."""
     slots: int = 4
     """Leases (credits) the worker holds per pool at once: generation never runs ahead of these."""
     max_batch: int = 4
@@ -138,6 +141,11 @@ class WorkerConfig:
     def __post_init__(self):
         if self.slots < 1 or self.max_batch < 1:
             raise ValueError(f"{self.slots=} and {self.max_batch=} must be >= 1")
+        if self.interrupt_every_tokens < 0:
+            raise ValueError(f"{self.interrupt_every_tokens=} must be >= 0")
+        if self.interrupt_every_tokens and self.environment:
+            raise ValueError("worker.interrupt_every_tokens does not combine with worker.environment (multi-turn); "
+                             "multi-turn episodes already apply weights between turns' batches")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -57,6 +57,7 @@ LLAMA_1B = dict(hidden=2048, intermediate=8192, heads=32, kv_heads=8, head_dim=6
 TINY = dict(hidden=64, intermediate=128, heads=2, kv_heads=1, head_dim=32, layers=2, vocab=128)
 LORA_RANK = 16
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_CONFIG = {"r": LORA_RANK, "lora_alpha": 2 * LORA_RANK, "target_modules": list(LINEARS)}
 REPORT_TIMEOUT_S = 600.0
 
 
@@ -71,7 +72,8 @@ def model_shapes(c: dict[str, int], *, bias: bool = False, lm_head: bool = False
             out.append((f"{p}.self_attn.{proj}.weight", shape))
             if bias and proj != "o_proj":
                 out.append((f"{p}.self_attn.{proj}.bias", shape[:1]))
-        out += [(f"{p}.mlp.gate_proj.weight", [i, h]), (f"{p}.mlp.up_proj.weight", [i, h]), (f"{p}.mlp.down_proj.weight", [h, i])]
+        for proj, shape in (("gate_proj", [i, h]), ("up_proj", [i, h]), ("down_proj", [h, i])):
+            out.append((f"{p}.mlp.{proj}.weight", shape))
         out += [(f"{p}.input_layernorm.weight", [h]), (f"{p}.post_attention_layernorm.weight", [h])]
     out += [("model.norm.weight", [h]), ("model.embed_tokens.weight", [c["vocab"], h])]
     if lm_head:
@@ -117,8 +119,9 @@ def lora_adapters(shapes: list[tuple[str, list[int]]], seed: int) -> dict[str, t
         module = name.removesuffix(".weight")
         if module.rsplit(".", 1)[-1] in LINEARS:
             out_f, in_f = shape
-            out[f"base_model.model.{module}.lora_A.weight"] = torch.randn(LORA_RANK, in_f, generator=g).to(torch.bfloat16)
-            out[f"base_model.model.{module}.lora_B.weight"] = torch.randn(out_f, LORA_RANK, generator=g).to(torch.bfloat16)
+            prefix = f"base_model.model.{module}"
+            out[f"{prefix}.lora_A.weight"] = torch.randn(LORA_RANK, in_f, generator=g).to(torch.bfloat16)
+            out[f"{prefix}.lora_B.weight"] = torch.randn(out_f, LORA_RANK, generator=g).to(torch.bfloat16)
     return out
 
 
@@ -216,7 +219,7 @@ def run_backend(backend: str, n: int, sizes: list[dict[str, Any]], payloads: dic
             samples = []
             for _ in range(args.repeats):
                 version += 1
-                kw = {"mode": "lora", "lora_config": {"r": LORA_RANK, "target_modules": list(LINEARS)}} if size["name"] == "lora" else {}
+                kw = {"mode": "lora", "lora_config": LORA_CONFIG} if size["name"] == "lora" else {}
                 time.sleep(random.uniform(0, 0.025))  # decorrelate from the receivers' poll phase (shm: 20 ms)
                 t0 = time.monotonic()
                 stats = b.publish(tensors, version, **kw)
@@ -287,7 +290,10 @@ def print_table(report: dict[str, Any]) -> None:
         row = f"{size:<9}{report['bytes'][size]:>14,}"
         for p in paths:
             m = report["metrics"][p].get(size)
-            row += f"{'-':>18}" if m is None else f"{m['gb_per_s']['median']:>8.3f} {m['latency_s']['median'] * 1e3:>9.1f}"
+            if m is None:
+                row += f"{'-':>18}"
+            else:
+                row += f"{m['gb_per_s']['median']:>8.3f} {m['latency_s']['median'] * 1e3:>9.1f}"
         print(row)
     backends = [p for p in paths if not p.startswith("memcpy")]
     print("\nsplit: publish() s median | receiver transfer GB/s median (manifest -> staged, slowest receiver)")
@@ -307,12 +313,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backends", default="zmq,shm", help="comma-separated subset of zmq,shm")
     p.add_argument("--receivers", default="1,2", help="comma-separated receiver process counts")
     p.add_argument("--threads", type=int, default=1, help="torch threads in every process")
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/weight_sync-DATE.json)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON path (default benchmarks/results/weight_sync-DATE.json)")
     args = p.parse_args(argv)
     args.backends = [s for s in args.backends.split(",") if s]
     args.receivers = [int(s) for s in args.receivers.split(",") if s]
     if set(args.backends) - {"zmq", "shm"} or not args.receivers or min(args.receivers) < 1:
-        p.error(f"--backends must be a subset of zmq,shm and --receivers positive ints, got {args.backends} {args.receivers}")
+        p.error(f"--backends must be a subset of zmq,shm and --receivers positive ints, "
+                f"got {args.backends} {args.receivers}")
     return args
 
 

@@ -31,6 +31,7 @@ from asyncrl.rollout import Group, Rollout
 from asyncrl.transport import ReceivedLease, RolloutSender, setup_rollout_sender
 from workers.engines.base import Completion, Engine, GenerationRequest, build_engine
 from workers.environments import Environment, load_environment, run_episodes
+from workers.partial import generate_interruptible
 from workers.rewards import RewardFn, call_reward, load_reward, split_reward
 
 __all__ = ["RolloutWorker", "run_worker"]
@@ -61,6 +62,7 @@ class RolloutWorker:
         parent_pid: int | None = None,
         weights: Any | None = None,
         environment: type[Environment] | None = None,
+        interrupt_every_tokens: int = 0,
     ):
         self.worker_id = worker_id
         self.engine = engine
@@ -70,6 +72,7 @@ class RolloutWorker:
         self.parent_pid = parent_pid
         self.weights = weights
         self.environment = environment
+        self.interrupt_every_tokens = interrupt_every_tokens
         self.groups_sent = 0
         self.weight_failures = 0
 
@@ -127,6 +130,14 @@ class RolloutWorker:
             t0 = time.perf_counter()
             if self.environment is not None:
                 completions = run_episodes(self.engine, self.environment, requests)
+            elif self.interrupt_every_tokens and self.weights is not None:
+                completions = generate_interruptible(
+                    self.engine,
+                    requests,
+                    chunk_tokens=self.interrupt_every_tokens,
+                    max_new_tokens=self.engine.config.max_new_tokens,
+                    between_chunks=self.apply_staged_weights,
+                )
             else:
                 completions = self.engine.generate(requests)
             t1 = time.perf_counter()
@@ -204,6 +215,7 @@ def run_worker(
         parent_pid=parent_pid,
         weights=receiver,
         environment=environment,
+        interrupt_every_tokens=config.interrupt_every_tokens,
     )
     if receiver is not None:  # a late joiner starts from the current weights, not the initial ones
         first = receiver.wait(0, timeout=config.weights.wait_for_first_s)

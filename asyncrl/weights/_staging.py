@@ -135,7 +135,8 @@ def _check_slot(position: int, bucket_nbytes: int, slot: TensorSlot) -> None:
     if type(slot.offset) is not int or slot.offset < 0 or slot.offset % itemsize:
         raise DecodeError(f"{where}: offset {slot.offset!r} is negative or misaligned for {slot.dtype}")
     if slot.offset + slot.nbytes > bucket_nbytes:
-        raise DecodeError(f"{where}: bytes [{slot.offset}, {slot.offset + slot.nbytes}) exceed the bucket's {bucket_nbytes}")
+        end = slot.offset + slot.nbytes
+        raise DecodeError(f"{where}: bytes [{slot.offset}, {end}) exceed the bucket's {bucket_nbytes}")
 
 
 def unpack_bucket(bucket: Bucket, buf: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -244,7 +245,9 @@ class StagingArea:
         """Records ``version`` as applied; raises ``ValueError`` unless it was staged and is newer."""
         with self._cv:
             if self._committed is not None and version <= self._committed:
-                raise ValueError(f"receiver {self.name}: commit({version}) is not newer than committed {self._committed}")
+                raise ValueError(
+                    f"receiver {self.name}: commit({version}) is not newer than committed {self._committed}"
+                )
             if version not in self._staged_recent:
                 raise ValueError(f"receiver {self.name}: commit({version}) of a version never staged "
                                  f"(recently staged: {list(self._staged_recent)})")

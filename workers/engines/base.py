@@ -25,6 +25,8 @@ class GenerationRequest:
     prompt: Any
     """The dataset item as sent by the pool (``{"prompt_ids": [...]}`` or ``{"text": ...}``)."""
     n: int
+    max_new_tokens: int | None = None
+    """Overrides ``engine.max_new_tokens`` (the worker generates in chunks when it may interrupt)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -100,7 +100,10 @@ class HFEngine(Engine):
         for i, p in enumerate(rows):
             input_ids[i, width - p.numel() :] = p
             attention_mask[i, width - p.numel() :] = 1
-        seqs, scores = self._sample(input_ids.to(self.device), attention_mask.to(self.device))
+        limits = {r.max_new_tokens or self.config.max_new_tokens for r in requests}
+        if len(limits) != 1:
+            raise ValueError(f"one generate call needs one max_new_tokens, got {sorted(limits)}")
+        seqs, scores = self._sample(input_ids.to(self.device), attention_mask.to(self.device), limits.pop())
         completions = [self._completion(p, seqs[i, width:], scores[i]) for i, p in enumerate(rows)]
         out, start = [], 0
         for r in requests:
@@ -109,7 +112,9 @@ class HFEngine(Engine):
         return out
 
     @torch.no_grad()
-    def _sample(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sampled sequences ``[N, P + T]`` and the logprob of each sampled token ``[N, T]`` (CPU)."""
         c = self.config
         if self.device.type == "cuda":
@@ -125,7 +130,7 @@ class HFEngine(Engine):
                 temperature=c.temperature,
                 top_k=c.top_k,
                 top_p=c.top_p,
-                max_new_tokens=c.max_new_tokens,
+                max_new_tokens=max_new_tokens,
                 eos_token_id=self.stop_ids,
                 pad_token_id=self.pad_id,
                 return_dict_in_generate=True,

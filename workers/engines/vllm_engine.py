@@ -82,7 +82,7 @@ class VLLMEngine(Engine):
         bos = self.tokenizer.bos_token_id
         return [bos, *ids] if bos is not None else ids
 
-    def _sampling(self, n: int, seed: int):
+    def _sampling(self, n: int, seed: int, max_new_tokens: int | None = None):
         from vllm import SamplingParams
 
         c = self.config
@@ -91,7 +91,7 @@ class VLLMEngine(Engine):
             temperature=c.temperature,
             top_p=c.top_p,
             top_k=c.top_k,
-            max_tokens=c.max_new_tokens,
+            max_tokens=max_new_tokens or c.max_new_tokens,
             stop_token_ids=list(c.stop_token_ids),
             logprobs=0,
             seed=seed,
@@ -102,7 +102,10 @@ class VLLMEngine(Engine):
 
         self._calls += 1
         prompts = [self._prompt_ids(r.prompt) for r in requests]
-        params = [self._sampling(r.n, hash((self.config.seed, self._calls, i)) & 0x7FFFFFFF) for i, r in enumerate(requests)]
+        params = [
+            self._sampling(r.n, hash((self.config.seed, self._calls, i)) & 0x7FFFFFFF, r.max_new_tokens)
+            for i, r in enumerate(requests)
+        ]
         lora = LoRARequest(LORA_NAME, 1, str(self._lora_dir), load_inplace=True) if self._lora_dir else None
         outputs = self.llm.generate(
             [{"prompt_token_ids": p} for p in prompts], params, lora_request=lora, use_tqdm=False
