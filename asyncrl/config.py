@@ -133,8 +133,9 @@ class WorkerConfig:
     interrupt_every_tokens: int = 0
     """0: new weights are applied between generation batches (safe points). c > 0: generate in chunks of c
     tokens and apply new weights between chunks (partial rollouts with per-token version spans)."""
-    slots: int = 4
-    """Leases (credits) the worker holds per pool at once: generation never runs ahead of these."""
+    slots: int = 8
+    """Leases (credits) the worker holds per pool at once: generation never runs ahead of these. Twice
+    ``max_batch`` lets the next batch's leases arrive while this one generates."""
     max_batch: int = 4
     """Most leases generated together in one engine call."""
 

@@ -180,8 +180,7 @@ class RolloutWorker:
                 timings={"generate": generate_s, "reward": reward_s},
                 metadata={"attempt_lease": lease.lease_id},
             )
-            r.validate()
-            rollouts.append(r)
+            rollouts.append(r)  # validated by the pool on arrival (the one gate for every sender)
         return Group(epoch=lease.epoch, prompt_index=lease.prompt_index, rollouts=rollouts)
 
 

@@ -49,6 +49,7 @@ __all__ = ["ZmqRolloutReceiver", "ZmqRolloutSender", "check_bind_address", "gene
 logger = logging.getLogger(__name__)
 
 TICK_S = 0.005
+HOUSEKEEPING_S = 0.05
 MAX_DRAIN = 256
 
 
@@ -221,7 +222,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
             sock.close(linger=0)
 
     def _loop(self, sock: zmq.Socket) -> None:
-        next_heartbeat = 0.0
+        next_heartbeat = next_housekeeping = 0.0
         while not self._stop.is_set():
             if sock.poll(int(TICK_S * 1000)):
                 for _ in range(MAX_DRAIN):
@@ -235,8 +236,10 @@ class ZmqRolloutReceiver(RolloutReceiver):
                 self._cancel.clear()
                 for identity in list(self._peers):
                     self._send(sock, identity, P.CANCEL, {})
-            self._count("leases_expired", len(self.pool.expire(now)))
-            self._reap(now)
+            if now >= next_housekeeping:  # deadlines are seconds; no need to scan every pass
+                next_housekeeping = now + HOUSEKEEPING_S
+                self._count("leases_expired", len(self.pool.expire(now)))
+                self._reap(now)
             if now >= next_heartbeat:
                 next_heartbeat = now + self.config.heartbeat_s
                 for identity in list(self._peers):
@@ -344,7 +347,8 @@ class ZmqRolloutReceiver(RolloutReceiver):
         held = self.pool.outstanding()
         for identity, peer in list(self._peers.items()):
             free = peer.slots - held[peer.worker_id]
-            if free <= 0:
+            # top up in batches (half the credits at once) unless the worker is about to run dry
+            if free <= 0 or (held[peer.worker_id] > 0 and free < max(1, peer.slots // 2)):
                 continue
             leases = self.pool.grant(peer.worker_id, free, now)
             if not leases:

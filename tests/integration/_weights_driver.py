@@ -10,7 +10,10 @@ per verified bucket (a slow receiver, so the test can kill it mid-transfer).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import logging
+import signal
 import sys
 import time
 import zlib
@@ -44,6 +47,9 @@ def main() -> None:
     p.add_argument("--window", type=int, default=2)
     p.add_argument("--delay", type=float, default=0.0)
     args = p.parse_args()
+    faulthandler.register(signal.SIGUSR1)  # a hung driver's stacks, on demand
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    emit(event="started")
     if args.delay:
         zmq_weights.bucket_checksum = shm_weights.bucket_checksum = slow_checksum(args.delay)
     kw = {"window": args.window, "timeout_s": 20.0} if args.backend == "zmq" else {}

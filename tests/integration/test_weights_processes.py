@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -41,20 +42,34 @@ def crcs(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
 
 
 class Driver:
-    def __init__(self, backend: str, address: str, receiver_id: str, *extra: str):
+    """One receiver process; a reader thread queues its stdout lines (events)."""
+
+    def __init__(self, backend: str, address: str, receiver_id: str, log: Path, *extra: str):
         argv = [sys.executable, str(DRIVER), backend, address, receiver_id, "--versions", "1,2", *extra]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.sel = selectors.DefaultSelector()
-        self.sel.register(self.proc.stdout, selectors.EVENT_READ)
+        self.log = log
+        with open(log, "w") as err:  # a file, not a pipe: a chatty driver never blocks on stderr
+            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True)
+        self.events: list[dict] = []
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:  # select() on a buffered pipe would miss lines already read into the buffer
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put("")
 
     def next_event(self, until: float) -> dict:
-        while time.monotonic() < until:
-            if self.sel.select(timeout=until - time.monotonic()):
-                line = self.proc.stdout.readline()
-                if not line:
-                    raise AssertionError(f"driver exited {self.proc.wait()}: {self.proc.stderr.read()[-2000:]}")
-                return json.loads(line)
-        raise AssertionError("driver timed out")
+        try:
+            line = self.lines.get(timeout=max(0.0, until - time.monotonic()))
+        except queue.Empty:
+            if self.proc.poll() is None:
+                os.kill(self.proc.pid, signal.SIGUSR1)  # the driver dumps its threads' stacks to its log
+                time.sleep(0.5)
+            raise AssertionError(f"driver timed out after {self.events[-3:]}; log: {self.log.read_text()[-4000:]}")
+        if not line:
+            raise AssertionError(f"driver exited {self.proc.wait()}: {self.log.read_text()[-2000:]}")
+        self.events.append(json.loads(line))
+        return self.events[-1]
 
     def until(self, event: str, deadline: float, **match) -> dict:
         while True:
@@ -66,20 +81,18 @@ class Driver:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
-        self.proc.stdout.close()
-        self.proc.stderr.close()
 
 
 @pytest.mark.parametrize("backend", ["zmq", "shm"])
-def test_receiver_killed_mid_transfer_never_commits(backend):
+def test_receiver_killed_mid_transfer_never_commits(backend, tmp_path):
     deadline = time.monotonic() + TIMEOUT_S
     b = setup_weight_broadcaster(backend, bucket_bytes=MB)
     survivor = victim = None
     try:
         v1 = {"w": torch.ones(16)}
         b.publish(v1, 1)
-        survivor = Driver(backend, b.address, "survivor")
-        victim = Driver(backend, b.address, "victim", "--window", "1", "--delay", "0.05")
+        survivor = Driver(backend, b.address, "survivor", tmp_path / "survivor.log")
+        victim = Driver(backend, b.address, "victim", tmp_path / "victim.log", "--window", "1", "--delay", "0.05")
         for d in (survivor, victim):
             d.until("committed", deadline, version=1)
         assert_eventually(lambda: b.committed() == {"survivor": 1, "victim": 1}, deadline)
@@ -97,7 +110,7 @@ def test_receiver_killed_mid_transfer_never_commits(backend):
         staged = survivor.until("staged", deadline, version=2)
         assert staged["checksums"] == crcs(v2)
         survivor.until("committed", deadline, version=2)
-        assert survivor.proc.wait(20) == 0, survivor.proc.stderr.read()[-2000:]
+        assert survivor.proc.wait(20) == 0, survivor.log.read_text()[-2000:]
         assert_eventually(lambda: b.committed().get("survivor") == 2, deadline)
         assert b.committed() == {"survivor": 2, "victim": 1}  # the victim never reached phase two of v2
         b.publish({"w": torch.zeros(16)}, 3)  # a dead receiver does not wedge the broadcaster
