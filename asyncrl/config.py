@@ -64,6 +64,9 @@ class EngineConfig:
     """``hf``: torch device (``cpu``, ``cuda``, ``cuda:1``)."""
     seed: int = 0
     """Sampling seed (fake engine: a rollout depends only on seed, uid and policy_version)."""
+    seed_per_prompt: bool = False
+    """``hf``: seed each prompt's samples from (seed, epoch, prompt_index, policy_version) and generate prompt
+    by prompt, so a group's tokens do not depend on batching or worker (reproducible runs; slower)."""
     temperature: float = 1.0
     """Sampling temperature (> 0)."""
     top_p: float = 1.0
@@ -164,6 +167,9 @@ class LoaderConfig:
     """Most groups leased + buffered at once for this rank: the memory bound and the backpressure knob."""
     max_buffer_bytes: int | None = None
     """Optional byte bound on buffered rollouts."""
+    ordered: bool = False
+    """Yield groups in the ledger's (seeded) order rather than as they arrive: reproducible batches, at the
+    cost of head-of-line blocking behind the slowest group."""
     seed: int = 0
     """Seed of the per-epoch prompt order."""
     shuffle: bool = True

@@ -175,6 +175,13 @@ class PromptLedger:
     def epoch_done(self) -> bool:
         return self.num_consumed == len(self.order)
 
+    def next_in_order(self) -> int | None:
+        """The first prompt of the shard's order not yet consumed (ordered delivery), or None."""
+        pos = self._watermark
+        while pos < len(self.order) and pos in self._consumed_above:
+            pos += 1
+        return self.order[pos] if pos < len(self.order) else None
+
     def state_of(self, prompt_index: int) -> PromptState | None:
         """Where ``prompt_index`` is in this epoch, or None if it is not in this rank's shard."""
         pos = self._position.get(prompt_index)

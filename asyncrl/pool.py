@@ -38,6 +38,9 @@ class RolloutPool:
         capacity: most groups leased, partially received and buffered at once.
         max_staleness: largest ``trainer_version - rollout.policy_version`` yielded; None = unbounded.
         max_buffer_bytes: optional bound on the bytes of buffered rollouts; grants stop above it.
+        ordered: yield groups in the ledger's order instead of arrival order (reproducible batches at the
+            cost of head-of-line blocking; with ``max_staleness=0`` and per-request seeding a run is
+            deterministic whatever the workers' timing).
     """
 
     STATE_VERSION = 1
@@ -50,6 +53,7 @@ class RolloutPool:
         capacity: int,
         max_staleness: int | None = None,
         max_buffer_bytes: int | None = None,
+        ordered: bool = False,
     ):
         if group_size < 1:
             raise ValueError(f"{group_size=} must be >= 1")
@@ -62,6 +66,7 @@ class RolloutPool:
         self.capacity = capacity
         self.max_staleness = max_staleness
         self.max_buffer_bytes = max_buffer_bytes
+        self.ordered = ordered
         self.cond = threading.Condition()
         self.policy_version = 0
         self.stats: collections.Counter[str] = collections.Counter()
@@ -198,7 +203,13 @@ class RolloutPool:
                 if self._error is not None:
                     raise RuntimeError("rollout receiver failed") from self._error
                 while self._ready:
-                    index, group = self._ready.popitem(last=False)
+                    if self.ordered:
+                        index = self.ledger.next_in_order()
+                        if index not in self._ready:
+                            break
+                        group = self._ready.pop(index)
+                    else:
+                        index, group = self._ready.popitem(last=False)
                     self.buffered_bytes -= group.nbytes
                     if is_stale(group.policy_version, self.policy_version, self.max_staleness):
                         self._drop_stale(index)

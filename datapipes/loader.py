@@ -94,6 +94,7 @@ class RolloutLoader(Loader[TrainBatch]):
             capacity=config.capacity,
             max_staleness=config.max_staleness,
             max_buffer_bytes=config.max_buffer_bytes,
+            ordered=config.ordered,
         )
         self.receiver: RolloutReceiver = setup_rollout_receiver(
             config.transport, self.pool, prompts.__getitem__, rank=rank, world_size=world_size

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.integration
 
 DRIVER = Path(__file__).with_name("_weights_driver.py")
 MB = 1 << 20
-TIMEOUT_S = 60.0
+TIMEOUT_S = 90.0
 
 
 def big_state_dict() -> dict[str, torch.Tensor]:

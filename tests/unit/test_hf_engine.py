@@ -210,3 +210,13 @@ def test_logprobs_align_on_cuda(model_dir):
     diff = max_logprob_diff(engine.model, completions, **SAMPLING)
     print(f"max |dlogp| on cuda = {diff:.3e}")
     assert diff <= TOL
+
+
+def test_seed_per_prompt_makes_groups_independent_of_batching(model_dir):
+    one = make_engine(model_dir, seed_per_prompt=True)
+    other = make_engine(model_dir, seed_per_prompt=True)
+    reqs = [GenerationRequest(epoch=0, prompt_index=i, prompt=p, n=3) for i, p in enumerate(PROMPTS)]
+    together = one.generate(reqs)
+    alone = [other.generate([r])[0] for r in reversed(reqs)][::-1]
+    for a, b in zip(together, alone):
+        assert [c.response_ids.tolist() for c in a] == [c.response_ids.tolist() for c in b]

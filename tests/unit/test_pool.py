@@ -786,3 +786,19 @@ def test_orphaned_partial_group_does_not_stall_the_epoch(via):
     # the prompt must be leased again so that its missing sample gets generated
     again = pool.grant("w1", 1, now=20.0)
     assert [l.prompt_index for l in again] == [lease.prompt_index]
+
+
+def test_ordered_pool_yields_in_ledger_order_whatever_the_arrival_order():
+    pool = make_pool(num_prompts=6, capacity=6)
+    pool.ordered = True
+    leases = pool.grant("w0", 6, now=0.0)
+    assert [lease.prompt_index for lease in leases] == pool.ledger.order
+    for lease in reversed(leases):  # the last leased arrives first
+        pool.add_rollouts(make_group(0, lease.prompt_index, 2, 0).rollouts, lease_id=lease.lease_id)
+    assert [pool.take(0.01).prompt_index for _ in range(6)] == pool.ledger.order
+
+    pool = make_pool(num_prompts=3, capacity=3)
+    pool.ordered = True
+    first, second, _ = pool.grant("w0", 3, now=0.0)
+    pool.add_rollouts(make_group(0, second.prompt_index, 2, 0).rollouts, lease_id=second.lease_id)
+    assert pool.take(0.05) is None, "the head of the order has not arrived: nothing may overtake it"

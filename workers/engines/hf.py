@@ -90,6 +90,17 @@ class HFEngine(Engine):
     def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
         if not requests:
             return []
+        if self.config.seed_per_prompt and len(requests) > 1:
+            return [self._generate([r], seed=self._prompt_seed(r))[0] for r in requests]
+        if self.config.seed_per_prompt:
+            return self._generate(requests, seed=self._prompt_seed(requests[0]))
+        return self._generate(requests, seed=self._seed())
+
+    def _prompt_seed(self, r: GenerationRequest) -> int:
+        state = np.random.SeedSequence([self.config.seed, r.epoch, r.prompt_index, self.policy_version])
+        return int(state.generate_state(1, dtype=np.uint64)[0] >> 1)
+
+    def _generate(self, requests: list[GenerationRequest], seed: int) -> list[list[Completion]]:
         prompts = [self._prompt_ids(r.prompt) for r in requests]
         rows = [p for p, r in zip(prompts, requests) for _ in range(r.n)]
         if not rows:
@@ -103,7 +114,7 @@ class HFEngine(Engine):
         limits = {r.max_new_tokens or self.config.max_new_tokens for r in requests}
         if len(limits) != 1:
             raise ValueError(f"one generate call needs one max_new_tokens, got {sorted(limits)}")
-        seqs, scores = self._sample(input_ids.to(self.device), attention_mask.to(self.device), limits.pop())
+        seqs, scores = self._sample(input_ids.to(self.device), attention_mask.to(self.device), limits.pop(), seed)
         completions = [self._completion(p, seqs[i, width:], scores[i]) for i, p in enumerate(rows)]
         out, start = [], 0
         for r in requests:
@@ -113,7 +124,7 @@ class HFEngine(Engine):
 
     @torch.no_grad()
     def _sample(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, seed: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sampled sequences ``[N, P + T]`` and the logprob of each sampled token ``[N, T]`` (CPU)."""
         c = self.config
@@ -122,7 +133,7 @@ class HFEngine(Engine):
         else:
             devices = []
         with torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda"):
-            torch.manual_seed(self._seed())
+            torch.manual_seed(seed)
             out = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
