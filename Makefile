@@ -1,5 +1,5 @@
 # Two commands work on a fresh machine:
-#   make run   - set up .venv and run the main job (until the recipe lands: the data-plane demo, fake engine)
+#   make run   - set up .venv and run the main job: async GRPO on the embedded tiny model (2 trainer ranks, CPU)
 #   make test  - set up .venv and run the test suite
 #
 # torch: the CPU wheel torch==2.13.0 is installed first, from the machine's local wheel directory
@@ -37,7 +37,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) recipes/demo.py
+	HF_HUB_OFFLINE=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 2 recipes/grpo.py --config recipes/configs/tiny_cpu.yaml
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)

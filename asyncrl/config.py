@@ -7,6 +7,7 @@ Configs are plain data so they travel as JSON (orjson) to worker processes and l
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -100,8 +101,6 @@ class EngineConfig:
             raise ValueError(f"{self.temperature=} must be > 0 (greedy decoding has no sampling distribution)")
         if not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ValueError(f"need 0 < {self.top_p=} <= 1 and {self.top_k=} >= 0")
-        if self.type in ("hf", "vllm") and not self.model:
-            raise ValueError(f"engine.type={self.type!r} needs engine.model (a model directory)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -206,22 +205,17 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def from_dict(cls: type[C], data: dict[str, Any]) -> C:
-    """Builds a config dataclass from a nested dict, rejecting unknown keys."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = set(data) - set(fields)
+    """Builds a config dataclass from a nested dict, rejecting unknown keys.
+
+    Nested dataclass fields (``X`` or ``X | None``) are built from nested dicts, recursively.
+    """
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - fields
     if unknown:
         raise ValueError(f"unknown {cls.__name__} keys {sorted(unknown)}; known: {sorted(fields)}")
     kwargs = {}
     for name, value in data.items():
-        ftype = fields[name].type
-        sub = _SUBCONFIGS.get(ftype if isinstance(ftype, str) else getattr(ftype, "__name__", ""))
+        sub = next((t for t in (hints[name], *typing.get_args(hints[name])) if dataclasses.is_dataclass(t)), None)
         kwargs[name] = from_dict(sub, value) if sub is not None and isinstance(value, dict) else value
     return cls(**kwargs)
-
-
-_SUBCONFIGS: dict[str, type] = {
-    "WeightSyncConfig": WeightSyncConfig,
-    "TransportConfig": TransportConfig,
-    "EngineConfig": EngineConfig,
-    "WorkerConfig": WorkerConfig,
-}

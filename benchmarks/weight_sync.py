@@ -38,7 +38,6 @@ import multiprocessing as mp
 import os
 import platform
 import random
-import resource
 import statistics
 import time
 from collections.abc import Sequence
@@ -164,7 +163,18 @@ def receiver_main(backend: str, address: str, receiver_id: str, threads: int, co
     stats = r.stats()
     r.close()
     conn.send({"event": "stopped", "failures": stats["failures"], "recent_failures": stats["recent_failures"],
-               "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+               "peak_rss_gb": peak_rss_gb()})
+
+
+def peak_rss_gb() -> float | None:
+    """This process's peak resident memory (VmHWM; ru_maxrss would include the parent's from before exec)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / GB
+    except OSError:
+        pass
+    return None
 
 
 class Receivers:
@@ -354,7 +364,8 @@ def main(argv: Sequence[str] | None = None) -> None:
               "lora_of": largest["name"]}
     report = {"benchmark": "weight_sync", "date": date, "config": config, "machine": machine(),
               "sizes": list(payloads), "bytes": nbytes, "metrics": metrics, "receivers": receivers_info,
-              "lora_vs_full_bytes": nbytes["lora"] / nbytes[largest["name"]]}
+              "lora_vs_full_bytes": nbytes["lora"] / nbytes[largest["name"]],
+              "broadcaster_peak_rss_gb": peak_rss_gb()}
     path = args.out or RESULTS_DIR / f"weight_sync-{date[:10]}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")

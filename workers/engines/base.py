@@ -84,6 +84,8 @@ class Engine(abc.ABC):
 
 def build_engine(config: Any) -> Engine:
     """The engine for an :class:`~asyncrl.config.EngineConfig`, imported lazily."""
+    if config.type in ("hf", "vllm") and not config.model:
+        raise ValueError(f"engine.type={config.type!r} needs engine.model (a model directory)")
     if config.type == "fake":
         from workers.engines.fake import FakeEngine
 

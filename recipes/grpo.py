@@ -1,0 +1,504 @@
+"""Asynchronous GRPO, in one file: trainer ranks under torchrun, rollout workers behind a RolloutLoader.
+
+    torchrun --nproc-per-node 2 recipes/grpo.py --config recipes/configs/tiny_cpu.yaml
+    torchrun --nproc-per-node 2 recipes/grpo.py --config recipes/configs/tiny_cpu.yaml --resume
+    torchrun --nproc-per-node 2 recipes/grpo.py --config recipes/configs/tiny_cpu.yaml rollout.max_staleness=0
+    torchrun --nproc-per-node 1 recipes/grpo.py --config recipes/configs/tiny_cpu.yaml lora.rank=8 train.lr=0.01
+
+One knob selects the regime: ``rollout.max_staleness`` = 0 (synchronous, on-policy), 1 (one-step
+off-policy), k (fully async). Per step, on every rank::
+
+    batch = next(loader)                        # groups of this rank's shard, no staler than max_staleness
+    logp  = token_logprobs(policy, batch)       # trainer-side forward (DDP)
+    loss  = policy_loss(logp, ..., group_advantages(rewards))   # + off-policy correction of the mismatch
+    backward, clip, optimizer.step
+    guard: non-finite loss/grad or |dtheta|/|theta| > max  ->  restore params + optimizer, dump the batch
+    else:  version += 1; rank 0 publishes the weights (or only the LoRA adapter); loader.set_policy_version
+
+Outputs in ``run_dir``: ``metrics.jsonl`` (one line per step, rank 0), ``consumed-rank{r}.jsonl`` (the
+groups each rank trained on), ``checkpoints/step-N`` (model + optimizer via torch.distributed.checkpoint,
+loader state per rank, version, RNG, config; written to a temp dir and renamed), ``dumps/`` (rejected
+batches, msgpack), ``report.png`` (reward and staleness over steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from asyncrl import LoaderConfig, RolloutLoader
+from asyncrl.codec import dumps_json
+from asyncrl.config import WeightSyncConfig, from_dict
+from asyncrl.dump import write_dump
+from asyncrl.logprobs import token_logprobs
+from asyncrl.losses import LossConfig, group_advantages, mismatch_metrics, policy_loss
+from asyncrl.weights import setup_weight_broadcaster
+from workers.tasks import arithmetic_prompts
+from workers.tiny_model import build_tiny_model
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# config
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    path: str | None = None
+    """HF model directory; None builds the tiny embedded model into ``{run_dir}/model``."""
+    dtype: str = "float32"
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    num_prompts: int = 1024
+    max_operand: int = 9
+    seed: int = 0
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    steps: int = 100
+    """Optimizer steps (accepted or rejected) of the whole run, across epochs."""
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    sft_steps: int = 0
+    """Supervised warm-start steps on the task's answers before RL (fresh runs only)."""
+    sft_lr: float = 3e-3
+    sft_batch: int = 64
+    parallel: Literal["ddp", "fsdp2"] = "ddp"
+    seed: int = 0
+
+
+@dataclass(kw_only=True, slots=True)
+class GuardConfig:
+    max_update_ratio: float = 0.05
+    """Reject an update whose ||dtheta|| / ||theta|| exceeds this (and any non-finite loss or gradient)."""
+    inject_nan_at_step: int | None = None
+    """Fault injection for tests: NaN rewards in this step's batch."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LoraSettings:
+    rank: int = 0
+    """> 0 trains a LoRA adapter only and syncs only the adapter to workers."""
+    alpha: int = 16
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    every: int = 20
+    """Save every this many steps (and at the end); 0 = only at the end."""
+    keep: int = 2
+
+
+@dataclass(kw_only=True, slots=True)
+class RecipeConfig:
+    run_dir: str = "runs/grpo"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    weights: WeightSyncConfig = field(default_factory=lambda: WeightSyncConfig(type="shm"))
+    rollout: LoaderConfig = field(default_factory=LoaderConfig)
+
+
+def load_config(path: str | None, overrides: list[str]) -> RecipeConfig:
+    """A YAML run file plus dotted ``key=value`` overrides (values parsed as YAML)."""
+    tree: dict[str, Any] = yaml.safe_load(Path(path).read_text()) if path else {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise SystemExit(f"override {item!r} must be key=value, e.g. rollout.max_staleness=0")
+        node = tree
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = yaml.safe_load(raw)
+    return from_dict(RecipeConfig, tree)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the recipe
+
+
+class GRPORecipe:
+    CHECKPOINT_MODEL = "model"
+    CHECKPOINT_OPTIM = "optim"
+
+    def __init__(self, cfg: RecipeConfig, resume: bool):
+        self.cfg = cfg
+        self.resume = resume
+
+    # -- setup -----------------------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        cfg = self.cfg
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+        torch.manual_seed(cfg.train.seed)
+        self.run_dir = Path(cfg.run_dir)
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.json").write_bytes(dumps_json(dataclasses.asdict(cfg)))
+        model_dir = cfg.model.path or str(self.run_dir / "model")
+        if self.rank == 0 and cfg.model.path is None:
+            build_tiny_model(model_dir, seed=cfg.train.seed, dtype=cfg.model.dtype)
+        dist.barrier()
+        self.model_dir = model_dir
+        self.prompts = arithmetic_prompts(cfg.data.num_prompts, seed=cfg.data.seed, max_operand=cfg.data.max_operand)
+        self._build_model()
+        self.step, self.version = 0, 0
+        latest = self._latest_checkpoint()
+        if self.resume and latest is not None:
+            self._load_checkpoint(latest)
+        elif cfg.train.sft_steps:
+            self._sft_warmup()
+        self._start_weight_sync()
+        self._build_loader()
+        if self.resume and latest is not None:
+            self.loader.load_state_dict(torch.load(latest / f"loader-rank{self.rank}.pt", weights_only=True))
+        self.metrics_file = open(self.run_dir / "metrics.jsonl", "ab") if self.rank == 0 else None
+        self.consumed_file = open(self.run_dir / f"consumed-rank{self.rank}.jsonl", "ab")
+
+    def _build_model(self) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        cfg = self.cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        policy = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, cfg.model.dtype))
+        policy.generation_config.top_k = None  # the trainer never samples; keep the config neutral
+        if cfg.lora.rank:
+            from peft import LoraConfig, get_peft_model
+
+            self.peft_config = LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, target_modules=cfg.lora.target_modules)
+            policy = get_peft_model(policy, self.peft_config)
+        self.policy = policy.to(self.device)
+        if cfg.train.parallel == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in self.policy.model.layers if not cfg.lora.rank else self.policy.base_model.model.model.layers:
+                fully_shard(layer)
+            self.model = fully_shard(self.policy)
+        else:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.model = DDP(self.policy, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+
+    def _sft_warmup(self) -> None:
+        """Brief supervised steps on the answers, so the policy starts with some reward signal."""
+        cfg = self.cfg.train
+        opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.sft_lr)
+        gen = torch.Generator().manual_seed(cfg.seed + 1000 * self.rank)
+        bos, eos = self.tokenizer.bos_token_id, self.tokenizer.eos_token_id
+        for _ in range(cfg.sft_steps):
+            idx = torch.randint(len(self.prompts), (cfg.sft_batch,), generator=gen).tolist()
+            rows = [self.prompts[i] for i in idx]
+            seqs = [[bos, *self.tokenizer(r["text"] + r["answer"], add_special_tokens=False).input_ids, eos] for r in rows]
+            width = max(map(len, seqs))
+            ids = torch.zeros(len(seqs), width, dtype=torch.long)
+            labels = torch.full_like(ids, -100)
+            for b, (r, s) in enumerate(zip(rows, seqs)):
+                ids[b, : len(s)] = torch.tensor(s)
+                start = 1 + len(r["text"])
+                labels[b, start : len(s)] = ids[b, start : len(s)]
+            loss = self.model(input_ids=ids.to(self.device), labels=labels.to(self.device)).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    def _start_weight_sync(self) -> None:
+        cfg = self.cfg
+        self.broadcaster = None
+        address = [None]
+        if self.rank == 0:
+            kw = {"bind": cfg.weights.bind} if cfg.weights.type == "zmq" else {}
+            self.broadcaster = setup_weight_broadcaster(cfg.weights.type, bucket_bytes=cfg.weights.bucket_bytes, **kw)
+            address = [self.broadcaster.address]
+        dist.broadcast_object_list(address, src=0)
+        self.weights_address = address[0]
+        self.publish()  # the current version: workers start from the trainer's weights, not the model dir's
+
+    def _build_loader(self) -> None:
+        cfg = self.cfg
+        worker = dataclasses.replace(
+            cfg.rollout.worker,
+            weights=dataclasses.replace(cfg.weights, address=self.weights_address),
+            engine=dataclasses.replace(cfg.rollout.worker.engine, model=self.model_dir, lora_rank=cfg.lora.rank),
+        )
+        loader_cfg = dataclasses.replace(cfg.rollout, worker=worker, drop_remainder=True)
+        self.loader = RolloutLoader(self.prompts, loader_cfg)
+        self.loader.set_policy_version(self.version)
+
+    # -- weights -----------------------------------------------------------------------------------------------------
+    def _weights(self) -> tuple[dict[str, torch.Tensor], str, dict[str, Any] | None]:
+        if self.cfg.lora.rank:
+            from peft import get_peft_model_state_dict
+
+            config = {k: sorted(v) if isinstance(v, set) else getattr(v, "value", v) for k, v in self.peft_config.to_dict().items()}
+            return get_peft_model_state_dict(self.policy), "lora", config
+        return self.policy.state_dict(), "full", None
+
+    def publish(self) -> None:
+        """Rank 0 publishes the current weights as ``self.version`` (others hold identical replicas)."""
+        if self.cfg.train.parallel == "fsdp2":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            tensors, mode, lora_config = state, "full", None
+        else:
+            tensors, mode, lora_config = self._weights()
+        if self.broadcaster is not None:
+            self.last_publish = self.broadcaster.publish(tensors, self.version, mode=mode, lora_config=lora_config)
+
+    # -- train -------------------------------------------------------------------------------------------------------
+    def train(self) -> None:
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        bar = tqdm(total=cfg.train.steps, initial=self.step, disable=self.rank != 0, desc="grpo", unit="step")
+        t_last = time.perf_counter()
+        while self.step < cfg.train.steps:
+            for batch in self.loader:
+                record = self.train_step(batch)
+                now = time.perf_counter()
+                record["step_s"] = now - t_last
+                t_last = now
+                self._log(record, batch)
+                bar.set_postfix(reward=f"{record['reward_mean']:.3f}", stale=f"{record['staleness_mean']:.2f}",
+                                rollouts_s=f"{record['rollouts_per_s']:.0f}")
+                bar.update()
+                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                    self.save_checkpoint()
+                if self.step >= cfg.train.steps:
+                    break
+        bar.close()
+        self.save_checkpoint()
+
+    def train_step(self, batch: dict[str, Any]) -> dict[str, Any]:
+        cfg = self.cfg
+        self.step += 1
+        rewards = batch["rewards"]
+        staleness = (self.version - batch["policy_versions"]).float()  # at consumption, before this update
+        if cfg.guard.inject_nan_at_step == self.step:
+            rewards = torch.full_like(rewards, float("nan"))
+        dev = lambda t: t.to(self.device)  # noqa: E731
+        ids, attn, mask = dev(batch["input_ids"]), dev(batch["attention_mask"]), dev(batch["loss_mask"])
+        engine = cfg.rollout.worker.engine
+        t0 = time.perf_counter()
+        logp = token_logprobs(self.model, ids, attn, temperature=engine.temperature, top_k=engine.top_k,
+                              top_p=engine.top_p, grad=True)
+        advantages = group_advantages(dev(rewards), dev(batch["group_index"]))
+        loss, loss_metrics = policy_loss(
+            logp, logp.detach(), dev(batch["rollout_logprobs"]), advantages, mask, config=cfg.loss,
+            token_versions=dev(batch["token_versions"]), trainer_version=self.version,
+        )
+        mismatch = mismatch_metrics(logp.detach(), dev(batch["rollout_logprobs"]), mask)
+        snapshot = self._snapshot()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
+                                                         cfg.train.grad_clip))
+        accepted, reason, ratio = self._guarded_step(loss, grad_norm, snapshot)
+        if accepted:
+            self.version += 1
+            self.publish()
+            self.loader.set_policy_version(self.version)
+        else:
+            self._dump(batch, rewards, reason, loss, grad_norm, ratio)
+        stats = torch.tensor([float(rewards.nan_to_num().sum()), float(rewards.numel()), float(staleness.sum()),
+                              float(staleness.max()), float(batch["num_tokens"])])
+        summed = stats.clone()
+        dist.all_reduce(summed)
+        top = stats[3:4].clone()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        return {
+            "step": self.step,
+            "policy_version": self.version,
+            "accepted": accepted,
+            "guard_reason": reason,
+            "loss": float(loss.detach()),
+            "grad_norm": grad_norm,
+            "update_ratio": ratio,
+            "reward_mean": float(summed[0] / summed[1]),
+            "staleness_mean": float(summed[2] / summed[1]),
+            "staleness_max": float(top[0]),
+            "tokens": float(summed[4]),
+            "train_s": time.perf_counter() - t0,
+            **{f"loss/{k}": v for k, v in loss_metrics.items()},
+            **{f"mismatch/{k}": v for k, v in mismatch.items()},
+        }
+
+    def _snapshot(self) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        params = [p.detach().clone() for p in self.model.parameters() if p.requires_grad]
+        return params, copy.deepcopy(self.optimizer.state_dict())
+
+    def _guarded_step(self, loss: torch.Tensor, grad_norm: float, snapshot) -> tuple[bool, str, float]:
+        """Steps the optimizer unless the update is bad; a rejected update is undone exactly."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if not math.isfinite(float(loss.detach())) or not math.isfinite(grad_norm):
+            return False, f"non-finite loss={float(loss.detach())} or grad_norm={grad_norm}", float("nan")
+        self.optimizer.step()
+        before, opt_state = snapshot
+        delta = torch.sqrt(sum(((p.detach() - b) ** 2).sum() for p, b in zip(params, before)))
+        norm = torch.sqrt(sum((b**2).sum() for b in before))
+        ratio = float(delta / norm.clamp_min(1e-12))
+        if math.isfinite(ratio) and ratio <= self.cfg.guard.max_update_ratio:
+            return True, "", ratio
+        with torch.no_grad():
+            for p, b in zip(params, before):
+                p.copy_(b)
+        self.optimizer.load_state_dict(opt_state)
+        return False, f"update_ratio={ratio:.4g} > guard.max_update_ratio={self.cfg.guard.max_update_ratio}", ratio
+
+    def _dump(self, batch, rewards, reason, loss, grad_norm, ratio) -> None:
+        body = {
+            "step": self.step,
+            "rank": self.rank,
+            "policy_version": self.version,
+            "reason": reason,
+            "loss": float(loss.detach()),
+            "grad_norm": grad_norm,
+            "update_ratio": ratio,
+            "batch": {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)} | {"rewards": rewards},
+            "uids": batch["uids"],
+            "group_ids": batch["group_ids"],
+        }
+        path = write_dump(self.run_dir / "dumps" / f"step-{self.step:06d}-rank{self.rank}.msgpack", "rejected_batch", body)
+        print(f"[rank {self.rank}] step {self.step}: update rejected ({reason}); batch dumped to {path}", file=sys.stderr)
+
+    def _log(self, record: dict[str, Any], batch: dict[str, Any]) -> None:
+        record["rollouts_per_s"] = len(batch["uids"]) * self.world / max(record["step_s"], 1e-9)
+        self.consumed_file.write(dumps_json({"step": self.step, "group_ids": batch["group_ids"]}) + b"\n")
+        self.consumed_file.flush()
+        if self.metrics_file is not None:
+            record["time"] = time.time()
+            self.metrics_file.write(dumps_json(record) + b"\n")
+            self.metrics_file.flush()
+
+    # -- checkpoint --------------------------------------------------------------------------------------------------
+    def _latest_checkpoint(self) -> Path | None:
+        latest = self.ckpt_dir / "latest"
+        return self.ckpt_dir / latest.read_text().strip() if latest.exists() else None
+
+    def save_checkpoint(self) -> None:
+        """Model + optimizer (DCP), loader state per rank, version, RNG and config; atomically."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        name = f"step-{self.step:06d}"
+        tmp = self.ckpt_dir / f".{name}.tmp"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({self.CHECKPOINT_MODEL: model_state, self.CHECKPOINT_OPTIM: optim_state}, checkpoint_id=str(tmp))
+        torch.save(self.loader.state_dict(), tmp / f"loader-rank{self.rank}.pt")
+        torch.save({"rng": torch.get_rng_state(), "step": self.step, "policy_version": self.version},
+                   tmp / f"trainer-rank{self.rank}.pt")
+        dist.barrier()
+        if self.rank == 0:
+            (tmp / "config.json").write_bytes(dumps_json(dataclasses.asdict(self.cfg)))
+            final = self.ckpt_dir / name
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            pointer = self.ckpt_dir / ".latest.tmp"
+            pointer.write_text(name)
+            os.replace(pointer, self.ckpt_dir / "latest")  # a crash before this line leaves the last good one
+            for old in sorted(self.ckpt_dir.glob("step-*"))[: -self.cfg.checkpoint.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+
+    def _load_checkpoint(self, path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {self.CHECKPOINT_MODEL: model_state, self.CHECKPOINT_OPTIM: optim_state}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state[self.CHECKPOINT_MODEL],
+                       optim_state_dict=state[self.CHECKPOINT_OPTIM])
+        trainer = torch.load(path / f"trainer-rank{self.rank}.pt", weights_only=True)
+        torch.set_rng_state(trainer["rng"])
+        self.step, self.version = trainer["step"], trainer["policy_version"]
+        if self.rank == 0:
+            print(f"resumed from {path} at step {self.step}, policy version {self.version}", file=sys.stderr)
+
+    # -- cleanup -----------------------------------------------------------------------------------------------------
+    def cleanup(self) -> None:
+        self.loader.close()
+        if self.broadcaster is not None:
+            self.broadcaster.close()
+        self.consumed_file.close()
+        if self.metrics_file is not None:
+            self.metrics_file.close()
+            plot(self.run_dir)
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def plot(run_dir: Path) -> None:
+    """``report.png``: reward and staleness over steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    if not rows:
+        return
+    steps = [r["step"] for r in rows]
+    fig, (a, b) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    a.plot(steps, [r["reward_mean"] for r in rows], label="reward (mean)")
+    a.set_ylabel("reward")
+    a.legend()
+    b.plot(steps, [r["staleness_mean"] for r in rows], label="staleness (mean)")
+    b.plot(steps, [r["staleness_max"] for r in rows], label="staleness (max)", alpha=0.6)
+    b.set_xlabel("step")
+    b.set_ylabel("policy versions")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(run_dir / "report.png", dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="YAML run file (recipes/configs/*.yaml)")
+    p.add_argument("--resume", action="store_true", help="continue from run_dir/checkpoints/latest if present")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.max_staleness=0 train.steps=50")
+    args = p.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    recipe = GRPORecipe(load_config(args.config, args.overrides), resume=args.resume)
+    recipe.setup()
+    try:
+        recipe.train()
+    finally:
+        recipe.cleanup()
+
+
+if __name__ == "__main__":
+    main()
