@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
+import tempfile
 import dataclasses
 import json
 import math
@@ -73,7 +75,9 @@ class DataConfig:
 class TrainConfig:
     steps: int = 100
     """Optimizer steps (accepted or rejected) of the whole run, across epochs."""
-    lr: float = 2e-3
+    lr: float = 1e-3
+    warmup_steps: int = 10
+    """Linear learning-rate warm-up (a function of the step alone, so resume needs no scheduler state)."""
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     sft_steps: int = 0
@@ -82,6 +86,8 @@ class TrainConfig:
     sft_batch: int = 64
     parallel: Literal["ddp", "fsdp2"] = "ddp"
     seed: int = 0
+    pause_after_step: int | None = None
+    """Fault injection for tests: every rank sleeps after logging this step (to be killed mid-run)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -160,6 +166,8 @@ class GRPORecipe:
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_bytes(dumps_json(dataclasses.asdict(cfg)))
+        dist.barrier()
+        (self.run_dir / f"pid-rank{self.rank}").write_text(str(os.getpid()))  # for operators and crash tests
         model_dir = cfg.model.path or str(self.run_dir / "model")
         if self.rank == 0 and cfg.model.path is None:
             build_tiny_model(model_dir, seed=cfg.train.seed, dtype=cfg.model.dtype)
@@ -233,7 +241,13 @@ class GRPORecipe:
         self.broadcaster = None
         address = [None]
         if self.rank == 0:
-            kw = {"bind": cfg.weights.bind} if cfg.weights.type == "zmq" else {}
+            if cfg.weights.type == "zmq":
+                kw: dict[str, Any] = {"bind": cfg.weights.bind}
+            else:  # one directory per run, so a killed run's weights are replaced, not leaked, by its resume
+                shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+                directory = shm / f"asyncrl-weights-{hashlib.sha1(str(self.run_dir.resolve()).encode()).hexdigest()[:12]}"
+                shutil.rmtree(directory, ignore_errors=True)
+                kw = {"directory": directory}
             self.broadcaster = setup_weight_broadcaster(cfg.weights.type, bucket_bytes=cfg.weights.bucket_bytes, **kw)
             address = [self.broadcaster.address]
         dist.broadcast_object_list(address, src=0)
@@ -269,6 +283,7 @@ class GRPORecipe:
             tensors, mode, lora_config = state, "full", None
         else:
             tensors, mode, lora_config = self._weights()
+        self.last_publish_bytes = sum(t.nbytes for t in tensors.values())  # payload: what crosses the wire
         if self.broadcaster is not None:
             self.last_publish = self.broadcaster.publish(tensors, self.version, mode=mode, lora_config=lora_config)
 
@@ -291,6 +306,8 @@ class GRPORecipe:
                 bar.update()
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                     self.save_checkpoint()
+                if cfg.train.pause_after_step == self.step:
+                    time.sleep(3600)
                 if self.step >= cfg.train.steps:
                     break
         bar.close()
@@ -321,9 +338,11 @@ class GRPORecipe:
         grad_norm = float(torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
                                                          cfg.train.grad_clip))
         accepted, reason, ratio = self._guarded_step(loss, grad_norm, snapshot)
+        weight_bytes = 0
         if accepted:
             self.version += 1
             self.publish()
+            weight_bytes = self.last_publish_bytes
             self.loader.set_policy_version(self.version)
         else:
             self._dump(batch, rewards, reason, loss, grad_norm, ratio)
@@ -345,6 +364,7 @@ class GRPORecipe:
             "staleness_mean": float(summed[2] / summed[1]),
             "staleness_max": float(top[0]),
             "tokens": float(summed[4]),
+            "weight_bytes": weight_bytes,
             "train_s": time.perf_counter() - t0,
             **{f"loss/{k}": v for k, v in loss_metrics.items()},
             **{f"mismatch/{k}": v for k, v in mismatch.items()},
@@ -359,6 +379,8 @@ class GRPORecipe:
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not math.isfinite(float(loss.detach())) or not math.isfinite(grad_norm):
             return False, f"non-finite loss={float(loss.detach())} or grad_norm={grad_norm}", float("nan")
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.cfg.train.lr * min(1.0, self.step / max(1, self.cfg.train.warmup_steps))
         self.optimizer.step()
         before, opt_state = snapshot
         delta = torch.sqrt(sum(((p.detach() - b) ** 2).sum() for p, b in zip(params, before)))
@@ -451,12 +473,45 @@ class GRPORecipe:
         self.loader.close()
         if self.broadcaster is not None:
             self.broadcaster.close()
+            if self.cfg.weights.type == "shm":
+                shutil.rmtree(self.broadcaster.address, ignore_errors=True)
         self.consumed_file.close()
         if self.metrics_file is not None:
             self.metrics_file.close()
             plot(self.run_dir)
         dist.barrier()
         dist.destroy_process_group()
+
+
+def replay_rejection(dump_path: str | os.PathLike, checkpoint: str | os.PathLike, cfg: RecipeConfig,
+                     model_dir: str) -> str:
+    """Recomputes a dumped batch's loss and guard decision with the weights of ``checkpoint`` (the step
+    before the rejection), in this process, without a process group. Returns the guard's reason, or ""
+    if the update would now be accepted."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.dump import read_dump
+
+    kind, body = read_dump(dump_path)
+    if kind != "rejected_batch":
+        raise ValueError(f"{dump_path} holds a {kind!r}, not a rejected batch")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, cfg.model.dtype))
+    state = {GRPORecipe.CHECKPOINT_MODEL: model.state_dict()}
+    dcp.load(state, checkpoint_id=str(checkpoint))
+    model.load_state_dict(state[GRPORecipe.CHECKPOINT_MODEL])
+    b = {k: v.clone() for k, v in body["batch"].items()}
+    engine = cfg.rollout.worker.engine
+    logp = token_logprobs(model, b["input_ids"], b["attention_mask"], temperature=engine.temperature,
+                          top_k=engine.top_k, top_p=engine.top_p, grad=True)
+    advantages = group_advantages(b["rewards"], b["group_index"])
+    loss, _ = policy_loss(logp, logp.detach(), b["rollout_logprobs"], advantages, b["loss_mask"], config=cfg.loss,
+                          token_versions=b["token_versions"], trainer_version=body["policy_version"])
+    loss.backward()
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip))
+    if not math.isfinite(float(loss.detach())) or not math.isfinite(grad_norm):
+        return f"non-finite loss={float(loss.detach())} or grad_norm={grad_norm}"
+    return ""
 
 
 def plot(run_dir: Path) -> None:
