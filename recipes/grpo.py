@@ -347,7 +347,7 @@ class GRPORecipe:
         else:
             self._dump(batch, rewards, reason, loss, grad_norm, ratio)
         stats = torch.tensor([float(rewards.nan_to_num().sum()), float(rewards.numel()), float(staleness.sum()),
-                              float(staleness.max()), float(batch["num_tokens"])])
+                              float(staleness.max()), float(batch["num_tokens"])], device=self.device)
         summed = stats.clone()
         dist.all_reduce(summed)
         top = stats[3:4].clone()
