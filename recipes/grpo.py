@@ -174,12 +174,14 @@ class GRPORecipe:
         dist.barrier()
         self.model_dir = model_dir
         self.prompts = arithmetic_prompts(cfg.data.num_prompts, seed=cfg.data.seed, max_operand=cfg.data.max_operand)
-        self._build_model()
         self.step, self.version = 0, 0
-        latest = self._latest_checkpoint()
-        if self.resume and latest is not None:
+        latest = self._latest_checkpoint() if self.resume else None
+        if cfg.lora.rank and cfg.train.sft_steps:
+            self._warm_base_for_lora()
+        self._build_model(lora=bool(cfg.lora.rank))
+        if latest is not None:
             self._load_checkpoint(latest)
-        elif cfg.train.sft_steps:
+        elif cfg.train.sft_steps and not cfg.lora.rank:
             self._sft_warmup()
         self._start_weight_sync()
         self._build_loader()
@@ -188,14 +190,27 @@ class GRPORecipe:
         self.metrics_file = open(self.run_dir / "metrics.jsonl", "ab") if self.rank == 0 else None
         self.consumed_file = open(self.run_dir / f"consumed-rank{self.rank}.jsonl", "ab")
 
-    def _build_model(self) -> None:
+    def _warm_base_for_lora(self) -> None:
+        """LoRA trains an adapter on a frozen base, so the supervised warm start trains the base first and
+        saves it: workers load that directory, and only adapters cross the wire afterwards."""
+        sft_dir = self.run_dir / "model-sft"
+        if not (sft_dir / "config.json").exists():
+            self._build_model(lora=False)
+            self._sft_warmup()
+            if self.rank == 0:
+                self.policy.save_pretrained(sft_dir)
+                self.tokenizer.save_pretrained(sft_dir)
+            dist.barrier()
+        self.model_dir = str(sft_dir)
+
+    def _build_model(self, lora: bool = False) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         cfg = self.cfg
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         policy = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, cfg.model.dtype))
         policy.generation_config.top_k = None  # the trainer never samples; keep the config neutral
-        if cfg.lora.rank:
+        if lora:
             from peft import LoraConfig, get_peft_model
 
             self.peft_config = LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, target_modules=cfg.lora.target_modules)
@@ -204,7 +219,7 @@ class GRPORecipe:
         if cfg.train.parallel == "fsdp2":
             from torch.distributed.fsdp import fully_shard
 
-            for layer in self.policy.model.layers if not cfg.lora.rank else self.policy.base_model.model.model.layers:
+            for layer in self.policy.model.layers if not lora else self.policy.base_model.model.model.layers:
                 fully_shard(layer)
             self.model = fully_shard(self.policy)
         else:
@@ -332,9 +347,9 @@ class GRPORecipe:
             token_versions=dev(batch["token_versions"]), trainer_version=self.version,
         )
         mismatch = mismatch_metrics(logp.detach(), dev(batch["rollout_logprobs"]), mask)
-        snapshot = self._snapshot()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        snapshot = self._snapshot()  # after backward: FSDP2 parameters are back to their sharded form
         grad_norm = float(torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
                                                          cfg.train.grad_clip))
         accepted, reason, ratio = self._guarded_step(loss, grad_norm, snapshot)
@@ -383,9 +398,14 @@ class GRPORecipe:
             group["lr"] = self.cfg.train.lr * min(1.0, self.step / max(1, self.cfg.train.warmup_steps))
         self.optimizer.step()
         before, opt_state = snapshot
-        delta = torch.sqrt(sum(((p.detach() - b) ** 2).sum() for p, b in zip(params, before)))
-        norm = torch.sqrt(sum((b**2).sum() for b in before))
-        ratio = float(delta / norm.clamp_min(1e-12))
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731 - FSDP2 shards are DTensors
+        sums = torch.stack([
+            sum(((local(p.detach()) - local(b)).float() ** 2).sum() for p, b in zip(params, before)),
+            sum((local(b).float() ** 2).sum() for b in before),
+        ])
+        if self.cfg.train.parallel == "fsdp2":  # each rank holds a shard; DDP replicas need no reduction
+            dist.all_reduce(sums)
+        ratio = float(sums[0].sqrt() / sums[1].sqrt().clamp_min(1e-12))
         if math.isfinite(ratio) and ratio <= self.cfg.guard.max_update_ratio:
             return True, "", ratio
         with torch.no_grad():

@@ -158,10 +158,13 @@ def _flatten(tree, prefix: str = "") -> dict:
     return out
 
 
-def test_lora_syncs_only_the_adapter(tmp_path):
+def test_lora_syncs_only_the_adapter_and_learns(tmp_path):
     run = tmp_path / "run"
-    _finish(_torchrun(run, "lora.rank=8", "train.steps=6", "checkpoint.every=0", *SMALL, nproc=1))
+    _finish(_torchrun(run, "lora.rank=8", "train.lr=0.003", "train.steps=90", "checkpoint.every=0"))
     rows = _metrics(run)
+    first, last = statistics.mean(r["reward_mean"] for r in rows[:15]), statistics.mean(r["reward_mean"] for r in rows[-30:])
+    print(f"LoRA reward: first 15 steps {first:.3f}, last 30 steps {last:.3f}")
+    assert last > first + 0.04, f"LoRA reward did not rise: {first:.3f} -> {last:.3f}"
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
@@ -180,3 +183,13 @@ def test_drop_in_loop_runs(tmp_path):
                           capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("step ") == 3
+
+
+def test_fsdp2_trains_checkpoints_and_resumes(tmp_path):
+    run = tmp_path / "run"
+    common = ["train.parallel=fsdp2", "checkpoint.every=2", *SMALL]
+    _finish(_torchrun(run, "train.steps=4", *common))
+    out = _finish(_torchrun(run, "train.steps=6", *common, resume=True))
+    assert "resumed from" in out and "step 4" in out
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and all(r["accepted"] for r in rows)
