@@ -20,7 +20,7 @@ import torch
 
 from asyncrl.codec import DecodeError
 
-__all__ = ["FINISH_REASONS", "Group", "Rollout", "make_group_id", "make_uid"]
+__all__ = ["FINISH_REASONS", "Group", "Rollout", "make_group_id", "make_uid", "spans_of"]
 
 FINISH_REASONS = ("stop", "length", "abort", "env")
 MAX_TOKENS = 1 << 22
@@ -46,6 +46,17 @@ _WIRE_KEYS = frozenset(
         "metadata",
     }
 )
+
+
+def spans_of(versions: list[int]) -> list[tuple[int, int, int]]:
+    """Per-token policy versions -> ``(version, start, end)`` spans of equal versions, in order."""
+    spans: list[tuple[int, int, int]] = []
+    for pos, v in enumerate(versions):
+        if spans and spans[-1][0] == v:
+            spans[-1] = (v, spans[-1][1], pos + 1)
+        else:
+            spans.append((v, pos, pos + 1))
+    return spans
 
 
 def make_group_id(epoch: int, prompt_index: int) -> str:

@@ -45,7 +45,6 @@ import json
 import multiprocessing as mp
 import os
 import pickle
-import platform
 import queue as queue_lib
 import statistics
 import threading
@@ -59,6 +58,7 @@ import torch
 import zmq
 from tqdm import tqdm
 
+from benchmarks._report import machine
 from asyncrl.codec import decode, encode
 from asyncrl.config import EngineConfig, LoaderConfig, WorkerConfig
 from asyncrl.rollout import Group
@@ -464,37 +464,6 @@ PATHS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
 
 
 # -- report --------------------------------------------------------------------------------------
-def git_commit() -> str | None:
-    """HEAD's commit, read from ``.git`` (what ``git rev-parse HEAD`` prints); None outside a checkout."""
-    git = Path(__file__).resolve().parent.parent / ".git"
-    try:
-        head = (git / "HEAD").read_text().strip()
-        if not head.startswith("ref: "):
-            return head
-        ref = head.removeprefix("ref: ")
-        if (git / ref).is_file():
-            return (git / ref).read_text().strip()
-        for line in (git / "packed-refs").read_text().splitlines():
-            if line.endswith(f" {ref}"):
-                return line.split()[0]
-    except OSError:
-        pass
-    return None
-
-
-def machine() -> dict[str, Any]:
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "pyzmq": zmq.__version__,
-        "libzmq": zmq.zmq_version(),
-        "git_commit": git_commit(),
-    }
-
-
 def ratios(metrics: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """``asyncrl / baseline`` of median rollouts/s, with the targets where one is set."""
     if "asyncrl" not in metrics:

@@ -14,12 +14,13 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from benchmarks._report import machine
 
 ROOT = Path(__file__).parents[1]
 WARMUP_STEPS = 5
@@ -61,13 +62,11 @@ def main() -> None:
     base = summary["0"]["seconds_per_rollout"] if "0" in summary else None
     for s in summary.values():
         s["speedup_vs_sync"] = base / s["seconds_per_rollout"] if base else None
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip() or None
     out = {
         "benchmark": "staleness",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "config": vars(args) | {"recipe_config": "recipes/configs/tiny_cpu.yaml", "warmup_steps": WARMUP_STEPS},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-        "commit": commit,
+        "machine": machine(),
         "metrics": summary,
         "repeats": results,
     }

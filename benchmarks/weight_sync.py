@@ -36,7 +36,6 @@ import datetime as dt
 import json
 import multiprocessing as mp
 import os
-import platform
 import random
 import statistics
 import time
@@ -47,6 +46,7 @@ from typing import Any
 import torch
 import zmq
 
+from benchmarks._report import machine
 from asyncrl.weights import WeightBroadcaster, setup_weight_broadcaster, setup_weight_receiver
 
 GB = 1e9
@@ -258,38 +258,6 @@ def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
             "publish_s": stats_of([s["publish_s"] for s in samples]),
             "gb_per_s": stats_of([nbytes / s["latency_s"] / GB for s in samples]),
             "transfer_gb_per_s": stats_of([nbytes / max(s["transfer_s"]) / GB for s in samples]), "samples": samples}
-
-
-def git_commit() -> str | None:
-    """HEAD's commit, read from ``.git`` (what ``git rev-parse HEAD`` prints); None outside a checkout."""
-    git = Path(__file__).resolve().parent.parent / ".git"
-    try:
-        head = (git / "HEAD").read_text().strip()
-        if not head.startswith("ref: "):
-            return head
-        ref = head.removeprefix("ref: ")
-        if (git / ref).is_file():
-            return (git / ref).read_text().strip()
-        for line in (git / "packed-refs").read_text().splitlines():
-            if line.endswith(f" {ref}"):
-                return line.split()[0]
-    except OSError:
-        pass
-    return None
-
-
-def machine() -> dict[str, Any]:
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "mem_total_gb": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "pyzmq": zmq.__version__,
-        "libzmq": zmq.zmq_version(),
-        "git_commit": git_commit(),
-    }
 
 
 def print_table(report: dict[str, Any]) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.rollout import spans_of
 from workers.engines.base import Completion, Engine, GenerationRequest
 
 __all__ = ["ArithmeticRetryEnv", "EnvStep", "Environment", "load_environment", "run_episodes"]
@@ -136,12 +137,7 @@ def _append(ep: _Episode, c: Completion) -> None:
 
 
 def _completion(ep: _Episode) -> Completion:
-    spans: list[tuple[int, int, int]] = []
-    for pos, v in enumerate(ep.versions):
-        if spans and spans[-1][0] == v:
-            spans[-1] = (v, spans[-1][1], pos + 1)
-        else:
-            spans.append((v, pos, pos + 1))
+    spans = spans_of(ep.versions)
     c = Completion(
         prompt_ids=ep.prompt_ids,
         response_ids=torch.tensor(ep.ids, dtype=torch.int32),

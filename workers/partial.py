@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from asyncrl.rollout import spans_of
 from workers.engines.base import Completion, Engine, GenerationRequest
 
 __all__ = ["generate_interruptible"]
@@ -86,12 +87,7 @@ def _extend(p: _Partial, c: Completion, done: bool) -> None:
 
 
 def _completion(p: _Partial) -> Completion:
-    spans: list[tuple[int, int, int]] = []
-    for pos, v in enumerate(p.versions):
-        if spans and spans[-1][0] == v:
-            spans[-1] = (v, spans[-1][1], pos + 1)
-        else:
-            spans.append((v, pos, pos + 1))
+    spans = spans_of(p.versions)
     assert p.prompt_ids is not None
     return Completion(
         prompt_ids=p.prompt_ids,

@@ -42,6 +42,7 @@ from asyncrl.config import TransportConfig
 from asyncrl.pool import RolloutPool
 from asyncrl.rollout import Group
 from asyncrl.transport import protocol as P
+from asyncrl.transport._zmq_util import drain
 from asyncrl.transport.base import HandshakeTimeout, PeerLost, ReceivedLease, RolloutReceiver, RolloutSender
 
 __all__ = ["ZmqRolloutReceiver", "ZmqRolloutSender", "check_bind_address", "generate_curve_keys"]
@@ -225,12 +226,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
         next_heartbeat = next_housekeeping = 0.0
         while not self._stop.is_set():
             if sock.poll(int(TICK_S * 1000)):
-                for _ in range(MAX_DRAIN):
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._handle(sock, frames)
+                drain(sock, lambda frames: self._handle(sock, frames), MAX_DRAIN)
             now = time.monotonic()
             if self._cancel.is_set():
                 self._cancel.clear()
@@ -585,15 +581,9 @@ class ZmqRolloutSender(RolloutSender):
             self._drain(pull, dealers)
             now = time.monotonic()
             for i, d in enumerate(dealers):
-                if d in events:
-                    for _ in range(MAX_DRAIN):
-                        try:
-                            frames = d.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        last_seen[i] = now
-                        self._lost[i] = False
-                        self._handle(i, d, frames)
+                if d in events and drain(d, lambda frames, i=i, d=d: self._handle(i, d, frames), MAX_DRAIN):
+                    last_seen[i] = now
+                    self._lost[i] = False
                 if not self._welcomed[i] and not self._abandoned[i] and now >= next_hello[i]:
                     if now > handshake_deadline:
                         self._abandoned[i] = True

@@ -44,6 +44,7 @@ import torch
 import zmq
 
 from asyncrl.codec import DecodeError, decode, encode
+from asyncrl.transport._zmq_util import drain
 from asyncrl.weights._staging import (
     MODES,
     StagingArea,
@@ -298,12 +299,7 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
                     while wake.poll(0):
                         wake.recv()
                 if sock in events:
-                    for _ in range(MAX_DRAIN):
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._handle(sock, frames)
+                    drain(sock, lambda frames: self._handle(sock, frames), MAX_DRAIN)
                 with self._lock:
                     version, self._announce = self._announce, None
                 if version is not None:
@@ -484,12 +480,7 @@ class ZmqWeightReceiver(WeightReceiver):
         try:
             while not self._stop.is_set():
                 if sock.poll(int(TICK_S * 1000)):
-                    for _ in range(MAX_DRAIN):
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._handle(sock, frames)
+                    drain(sock, lambda frames: self._handle(sock, frames), MAX_DRAIN)
                 self._tick(sock, time.monotonic())
         except BaseException as e:  # thread boundary: poll()/wait() re-raise it in the worker's thread
             logger.exception("receiver %s: weight I/O thread died", self.receiver_id)

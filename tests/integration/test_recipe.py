@@ -97,6 +97,9 @@ def test_sigkill_and_resume_trains_each_group_once_with_identical_losses(tmp_pat
         os.kill(int((run / f"pid-rank{rank}").read_text()), signal.SIGKILL)
     proc.communicate(timeout=120)
     assert (run / "checkpoints" / "latest").read_text() == "step-000003"
+    half_written = run / "checkpoints" / ".step-000006.tmp"  # what a crash in the middle of a save leaves
+    half_written.mkdir()
+    (half_written / "loader-rank0.pt").write_bytes(b"truncated")
     kept = {r: [rec for rec in _consumed(run, r) if rec["step"] <= 3] for r in (0, 1)}
     lines_before = {r: len(_consumed(run, r)) for r in (0, 1)}
     metrics_before = len(_metrics(run))
