@@ -187,8 +187,9 @@ class GRPORecipe:
         self._build_loader()
         if self.resume and latest is not None:
             self.loader.load_state_dict(torch.load(latest / f"loader-rank{self.rank}.pt", weights_only=True))
-        self.metrics_file = open(self.run_dir / "metrics.jsonl", "ab") if self.rank == 0 else None
-        self.consumed_file = open(self.run_dir / f"consumed-rank{self.rank}.jsonl", "ab")
+        mode = "ab" if latest is not None else "wb"  # a fresh run in an old run_dir starts its logs over
+        self.metrics_file = open(self.run_dir / "metrics.jsonl", mode) if self.rank == 0 else None
+        self.consumed_file = open(self.run_dir / f"consumed-rank{self.rank}.jsonl", mode)
 
     def _warm_base_for_lora(self) -> None:
         """LoRA trains an adapter on a frozen base, so the supervised warm start trains the base first and
