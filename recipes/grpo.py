@@ -280,6 +280,11 @@ class GRPORecipe:
         loader_cfg = dataclasses.replace(cfg.rollout, worker=worker, drop_remainder=True)
         self.loader = RolloutLoader(self.prompts, loader_cfg)
         self.loader.set_policy_version(self.version)
+        if self.rank == 0 and not loader_cfg.num_workers:  # remote workers: tell the operator where to point them
+            connect = " ".join(f"--connect {e}" for e in self.loader.endpoints)
+            print(f"start workers with: asyncrl worker {connect} --set worker.weights.type={cfg.weights.type} "
+                  f"--set worker.weights.address={self.weights_address} --set worker.engine.type=<hf|vllm> "
+                  f"--set worker.engine.model=<dir>", file=sys.stderr, flush=True)
 
     # -- weights -----------------------------------------------------------------------------------------------------
     def _weights(self) -> tuple[dict[str, torch.Tensor], str, dict[str, Any] | None]:
