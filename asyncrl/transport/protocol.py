@@ -30,6 +30,7 @@ __all__ = [
     "WELCOME",
     "WORKER_KINDS",
     "check_body",
+    "check_fields",
 ]
 
 PROTOCOL_VERSION = 1
@@ -64,20 +65,33 @@ _REQUIRED: dict[str, dict[str, type | tuple[type, ...]]] = {
 }
 
 
-def check_body(kind: str, body: Any, allowed: frozenset[str]) -> dict[str, Any]:
-    """Checks that ``kind`` is allowed on this side and ``body`` has its required, well-typed fields.
+def check_fields(
+    kind: str, body: Any, allowed: frozenset[str], required: dict[str, dict[str, type | tuple[type, ...]]], what: str
+) -> dict[str, Any]:
+    """Checks that ``kind`` is allowed on this side and ``body`` has its required, well-typed fields
+    (``required[kind]``: field -> type); shared by every channel's protocol. A bool is never an int here.
 
     Raises:
         DecodeError: naming the kind and field.
     """
     if kind not in allowed:
-        raise DecodeError(f"unexpected message kind {kind!r:.40}; this side accepts {sorted(allowed)}")
+        raise DecodeError(f"unexpected {what} kind {kind!r:.40}; this side accepts {sorted(allowed)}")
     if not isinstance(body, dict):
         raise DecodeError(f"{kind} body must be a map, got {type(body).__name__}")
-    for key, typ in _REQUIRED[kind].items():
+    for key, typ in required[kind].items():
         value = body.get(key)
-        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        if not isinstance(value, typ) or isinstance(value, bool):
             raise DecodeError(f"{kind}.{key} must be {typ}, got {type(value).__name__}")
+    return body
+
+
+def check_body(kind: str, body: Any, allowed: frozenset[str]) -> dict[str, Any]:
+    """Checks a rollout-channel message: its fields (:func:`check_fields`) and HELLO's values.
+
+    Raises:
+        DecodeError: naming the kind and field.
+    """
+    check_fields(kind, body, allowed, _REQUIRED, "message")
     if kind == HELLO:
         if not 1 <= body["slots"] <= 1 << 16 or not body["worker_id"] or len(body["worker_id"]) > 128:
             raise DecodeError(f"hello: slots must be in [1, 65536] and worker_id 1..128 chars, got {body!r:.200}")

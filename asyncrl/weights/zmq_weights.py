@@ -45,6 +45,7 @@ import zmq
 
 from asyncrl.codec import DecodeError, decode, encode
 from asyncrl.transport._zmq_util import drain
+from asyncrl.transport.protocol import check_fields
 from asyncrl.weights._staging import (
     MODES,
     StagingArea,
@@ -101,15 +102,7 @@ _REQUIRED: dict[str, dict[str, type | tuple[type, ...]]] = {
 
 def _check(kind: str, body: Any, allowed: frozenset[str]) -> dict[str, Any]:
     """Checks kind and body fields of a peer's message; raises DecodeError naming the field."""
-    if kind not in allowed:
-        raise DecodeError(f"unexpected weight message kind {kind!r:.40}; this side accepts {sorted(allowed)}")
-    if not isinstance(body, dict):
-        raise DecodeError(f"{kind} body must be a map, got {type(body).__name__}")
-    for key, typ in _REQUIRED[kind].items():
-        value = body.get(key)
-        if not isinstance(value, typ) or isinstance(value, bool):
-            raise DecodeError(f"{kind}.{key} must be {typ}, got {type(value).__name__}")
-    return body
+    return check_fields(kind, body, allowed, _REQUIRED, "weight message")
 
 
 def _stop_thread(stop: threading.Event) -> None:
