@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Completion", "Engine", "GenerationRequest", "build_engine"]
+__all__ = ["Completion", "Engine", "GenerationRequest", "build_engine", "prompt_token_ids"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -44,6 +44,30 @@ class Completion:
     """The decoded response (engines with a tokenizer), for reward functions and environments."""
     env_reward: float | None = None
     """Multi-turn episodes: the summed environment reward (used instead of the reward function)."""
+
+
+def prompt_token_ids(prompt: Any, tokenizer: Any | None = None) -> torch.Tensor:
+    """int32 token ids of a prompt item: ``{"prompt_ids": [...]}`` as given; ``{"text": ...}`` or a str
+    tokenized without special tokens after the tokenizer's bos (if it has one), or as UTF-8 bytes when
+    there is no tokenizer (the fake engine).
+
+    Raises:
+        ValueError: for an item with neither.
+    """
+    if isinstance(prompt, dict) and "prompt_ids" in prompt:
+        ids = prompt["prompt_ids"]
+        out = ids.to(torch.int32) if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int32)
+    else:
+        text = prompt.get("text") if isinstance(prompt, dict) else prompt
+        if not isinstance(text, str):
+            raise ValueError(f"an engine needs a prompt with 'prompt_ids' or 'text', got {prompt!r:.200}")
+        if tokenizer is None:
+            ids = list(text.encode())
+        else:
+            bos = tokenizer.bos_token_id
+            ids = ([bos] if bos is not None else []) + tokenizer(text, add_special_tokens=False).input_ids
+        out = torch.tensor(ids, dtype=torch.int32)
+    return out
 
 
 class Engine(abc.ABC):

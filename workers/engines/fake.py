@@ -15,20 +15,9 @@ import numpy as np
 import torch
 
 from asyncrl.config import EngineConfig
-from workers.engines.base import Completion, Engine, GenerationRequest
+from workers.engines.base import Completion, Engine, GenerationRequest, prompt_token_ids
 
-__all__ = ["FakeEngine", "prompt_token_ids"]
-
-
-def prompt_token_ids(prompt: object) -> torch.Tensor:
-    """Token ids of a prompt item: ``{"prompt_ids": [...]}``, ``{"text": str}`` (bytes) or a str."""
-    if isinstance(prompt, dict) and "prompt_ids" in prompt:
-        ids = prompt["prompt_ids"]
-        return ids.to(torch.int32) if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int32)
-    text = prompt.get("text") if isinstance(prompt, dict) else prompt
-    if not isinstance(text, str):
-        raise ValueError(f"fake engine needs a prompt with 'prompt_ids' or 'text', got {type(prompt).__name__}")
-    return torch.tensor(list(text.encode()), dtype=torch.int32)
+__all__ = ["FakeEngine"]
 
 
 class FakeEngine(Engine):

@@ -22,8 +22,7 @@ import numpy as np
 import torch
 
 from asyncrl.config import EngineConfig
-from workers.engines.base import Completion, Engine, GenerationRequest
-from workers.engines.fake import prompt_token_ids
+from workers.engines.base import Completion, Engine, GenerationRequest, prompt_token_ids
 
 __all__ = ["HFEngine"]
 
@@ -69,16 +68,7 @@ class HFEngine(Engine):
     # -- generation ---------------------------------------------------------------------------------
 
     def _prompt_ids(self, prompt: Any) -> torch.Tensor:
-        """``prompt_ids`` as given; text tokenized without special tokens, after the tokenizer's bos if any."""
-        if isinstance(prompt, dict) and "prompt_ids" in prompt:
-            ids = prompt_token_ids(prompt)
-        else:
-            text = prompt.get("text") if isinstance(prompt, dict) else prompt
-            if not isinstance(text, str):
-                raise ValueError(f"hf engine needs a prompt with 'prompt_ids' or 'text', got {prompt!r:.200}")
-            bos = self.tokenizer.bos_token_id
-            ids = ([bos] if bos is not None else []) + self.tokenizer(text, add_special_tokens=False).input_ids
-            ids = torch.tensor(ids, dtype=torch.int32)
+        ids = prompt_token_ids(prompt, self.tokenizer)
         if ids.numel() == 0:
             raise ValueError(f"empty prompt {prompt!r:.200}: generate needs at least one token")
         return ids

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from asyncrl.config import EngineConfig
-from workers.engines.base import Completion, Engine, GenerationRequest
+from workers.engines.base import Completion, Engine, GenerationRequest, prompt_token_ids
 
 __all__ = ["VLLMEngine"]
 
@@ -72,15 +72,7 @@ class VLLMEngine(Engine):
         self._calls = 0
 
     def _prompt_ids(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, dict) and "prompt_ids" in prompt:
-            ids = prompt["prompt_ids"]
-            return ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-        text = prompt.get("text") if isinstance(prompt, dict) else prompt
-        if not isinstance(text, str):
-            raise ValueError(f"vLLM engine needs a prompt with 'prompt_ids' or 'text', got {type(prompt).__name__}")
-        ids = self.tokenizer(text, add_special_tokens=False).input_ids
-        bos = self.tokenizer.bos_token_id
-        return [bos, *ids] if bos is not None else ids
+        return prompt_token_ids(prompt, self.tokenizer).tolist()
 
     def _sampling(self, n: int, seed: int, max_new_tokens: int | None = None):
         from vllm import SamplingParams
