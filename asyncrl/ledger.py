@@ -199,6 +199,11 @@ class PromptLedger:
     def has_pending(self) -> bool:
         return bool(self._retry) or self._cursor < len(self.order)
 
+    def new_timeline(self) -> int:
+        """Marks a reset: every lease issued from now on has an id >= the returned one (older results
+        belong to the abandoned timeline)."""
+        return next(self._lease_ids)
+
     def peek(self) -> int | None:
         """The prompt :meth:`lease` would issue next, or None if nothing is pending.
 

@@ -244,7 +244,7 @@ class RolloutPool:
     def start_epoch(self, epoch: int) -> None:
         """Abandons whatever is left of the current epoch and starts ``epoch``."""
         with self.cond:
-            self.min_lease_id = next(self.ledger._lease_ids)
+            self.min_lease_id = self.ledger.new_timeline()
             self._ready.clear()
             self._partial.clear()
             self.buffered_bytes = 0
@@ -276,7 +276,7 @@ class RolloutPool:
         if state["group_size"] != self.group_size:
             raise ValueError(f"pool state has group_size={state['group_size']} but this run has {self.group_size}")
         with self.cond:
-            self.min_lease_id = next(self.ledger._lease_ids)
+            self.min_lease_id = self.ledger.new_timeline()
             self.ledger.load_state_dict(state["ledger"])
             self.policy_version = state["policy_version"]
             self._ready.clear()
