@@ -118,7 +118,6 @@ def test_sigkill_and_resume_trains_each_group_once_with_identical_losses(tmp_pat
 
 
 def test_guard_rejects_nan_batch_restores_exactly_and_dump_replays(tmp_path):
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from recipes.grpo import load_config, replay_rejection
@@ -148,7 +147,6 @@ def test_guard_rejects_nan_batch_restores_exactly_and_dump_replays(tmp_path):
     cfg = load_config(str(CONFIG), [f"run_dir={run}", *overrides])
     reason = replay_rejection(dumps[0], run / "checkpoints" / "step-000002", cfg, str(run / "model"))
     assert reason.startswith("non-finite")
-    del dcp
 
 
 def _flatten(tree, prefix: str = "") -> dict:
