@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 TICK_S = 0.005
 HOUSEKEEPING_S = 0.05
+SHUTDOWN_LINGER_MS = 1000
 MAX_DRAIN = 256
 
 
@@ -217,10 +218,13 @@ class ZmqRolloutReceiver(RolloutReceiver):
             logger.exception("rank %d: rollout receiver died", self.rank)
             self.pool.fail(e)
         finally:
+            said_goodbye = False
             if self._shutdown_workers:
                 for identity in list(self._peers):
-                    self._send(sock, identity, P.SHUTDOWN, {})
-            sock.close(linger=0)
+                    said_goodbye |= self._send(sock, identity, P.SHUTDOWN, {})
+            # linger=0 would drop SHUTDOWNs still queued in libzmq (seen: a worker left waiting, then
+            # exiting with PeerLost); give them a bounded moment to leave.
+            sock.close(linger=SHUTDOWN_LINGER_MS if said_goodbye else 0)
 
     def _loop(self, sock: zmq.Socket) -> None:
         next_heartbeat = next_housekeeping = 0.0

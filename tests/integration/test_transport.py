@@ -147,4 +147,4 @@ def test_worker_serves_the_pools_that_answer():
             loader.close()
             proc.wait(20)
     assert len(groups) == 16
-    assert proc.returncode == 0
+    assert proc.returncode == 0, proc.stderr.read()[-3000:]
