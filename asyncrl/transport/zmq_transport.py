@@ -135,6 +135,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
         self._counters: collections.Counter[str] = collections.Counter()
         self._recent_errors: collections.deque[tuple[str, str]] = collections.deque(maxlen=32)
         self._peers: dict[bytes, _Peer] = {}
+        self._greeted: set[bytes] = set()  # identities that said HELLO (I/O thread only)
         self._finalizer = weakref.finalize(self, _stop_thread, self._stop)
 
     # -- public --------------------------------------------------------------------------------
@@ -220,7 +221,9 @@ class ZmqRolloutReceiver(RolloutReceiver):
         finally:
             said_goodbye = False
             if self._shutdown_workers:
-                for identity in list(self._peers):
+                # every worker that ever said HELLO, including ones reaped after a late heartbeat that
+                # would re-join: unroutable identities fail fast (ROUTER_MANDATORY)
+                for identity in self._greeted | set(self._peers):
                     said_goodbye |= self._send(sock, identity, P.SHUTDOWN, {})
             # linger=0 would drop SHUTDOWNs still queued in libzmq (seen: a worker left waiting, then
             # exiting with PeerLost); give them a bounded moment to leave.
@@ -291,6 +294,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
         for other, p in list(self._peers.items()):
             if p.worker_id == body["worker_id"] and other != identity:  # restarted process, same id
                 self._drop_peer(other, "worker_restarted")
+        self._greeted.add(identity)
         if identity not in self._peers:
             self._count("workers_joined")
             logger.info("rank %d: worker %s joined (pid %d on %s)", self.rank, body["worker_id"], body["pid"], body["host"])
