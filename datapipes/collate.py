@@ -51,6 +51,7 @@ def collate_groups(groups: list[Group], pad_token_id: int = 0) -> TrainBatch:
         "group_index": torch.tensor([g for g, grp in enumerate(groups) for _ in grp.rollouts], dtype=torch.long),
         "prompt_lengths": torch.tensor([int(r.prompt_ids.numel()) for r in rollouts], dtype=torch.long),
         "response_lengths": torch.tensor([int(r.response_ids.numel()) for r in rollouts], dtype=torch.long),
+        "generate_s": torch.tensor([r.timings.get("generate", 0.0) for r in rollouts], dtype=torch.float32),
         "group_ids": [g.group_id for g in groups],
         "uids": [r.uid for r in rollouts],
         "worker_ids": [r.worker_id for r in rollouts],

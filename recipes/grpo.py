@@ -317,9 +317,11 @@ class GRPORecipe:
         t_last = time.perf_counter()
         while self.step < cfg.train.steps:
             for batch in self.loader:
+                wait_s = time.perf_counter() - t_last  # blocked on the loader: the trainer's idle time
                 record = self.train_step(batch)
                 now = time.perf_counter()
                 record["step_s"] = now - t_last
+                record["wait_s"] = wait_s
                 t_last = now
                 self._log(record, batch)
                 bar.set_postfix(reward=f"{record['reward_mean']:.3f}", stale=f"{record['staleness_mean']:.2f}",
@@ -360,9 +362,12 @@ class GRPORecipe:
                                                          cfg.train.grad_clip))
         accepted, reason, ratio = self._guarded_step(loss, grad_norm, snapshot)
         weight_bytes = 0
+        publish_s = 0.0
         if accepted:
             self.version += 1
+            t_publish = time.perf_counter()
             self.publish()
+            publish_s = time.perf_counter() - t_publish
             weight_bytes = self.last_publish_bytes
             self.loader.set_policy_version(self.version)
         else:
@@ -386,7 +391,8 @@ class GRPORecipe:
             "staleness_max": float(top[0]),
             "tokens": float(summed[4]),
             "weight_bytes": weight_bytes,
-            "train_s": time.perf_counter() - t0,
+            "publish_s": publish_s,
+            "train_s": time.perf_counter() - t0 - publish_s,
             **{f"loss/{k}": v for k, v in loss_metrics.items()},
             **{f"mismatch/{k}": v for k, v in mismatch.items()},
         }
@@ -442,8 +448,21 @@ class GRPORecipe:
         self.consumed_file.flush()
         if self.metrics_file is not None:
             record["time"] = time.time()
+            record["pipeline"] = self._pipeline_stats()
             self.metrics_file.write(dumps_json(record) + b"\n")
             self.metrics_file.flush()
+
+    def _pipeline_stats(self) -> dict[str, Any]:
+        """Cumulative counters of this rank's pool and what its workers report (busy time, output)."""
+        stats = self.loader.stats()
+        keep = ("busy_s", "uptime_s", "weight_apply_s", "rollouts_sent", "tokens_generated", "policy_version")
+        return {
+            "stale_dropped": stats["pool"].get("stale_dropped", 0),
+            "regenerated": stats["ledger"].get("regenerated", 0),
+            "rollouts_received": stats["pool"].get("rollouts_received", 0),
+            "bad_messages": stats["transport"].get("bad_messages", 0),
+            "workers": {w: {k: v[k] for k in keep if k in v} for w, v in stats["transport"].get("workers", {}).items()},
+        }
 
     # -- checkpoint --------------------------------------------------------------------------------------------------
     def _latest_checkpoint(self) -> Path | None:

@@ -74,7 +74,13 @@ class RolloutWorker:
         self.environment = environment
         self.interrupt_every_tokens = interrupt_every_tokens
         self.groups_sent = 0
+        self.rollouts_sent = 0
+        self.tokens_generated = 0
         self.weight_failures = 0
+        self.busy_s = 0.0
+        """Seconds spent generating and rewarding (the rest of ``uptime_s`` the worker waited for leases or weights)."""
+        self.weight_apply_s = 0.0
+        self.started = time.perf_counter()
 
     def run(self) -> None:
         while not self.sender.done:
@@ -90,7 +96,15 @@ class RolloutWorker:
         """What the pools see of this worker in their stats (sent with heartbeats)."""
         if self.sender is None:
             return
-        status: dict[str, Any] = {"policy_version": self.engine.policy_version, "groups_sent": self.groups_sent}
+        status: dict[str, Any] = {
+            "policy_version": self.engine.policy_version,
+            "groups_sent": self.groups_sent,
+            "rollouts_sent": self.rollouts_sent,
+            "tokens_generated": self.tokens_generated,
+            "busy_s": round(self.busy_s, 4),
+            "weight_apply_s": round(self.weight_apply_s, 4),
+            "uptime_s": round(time.perf_counter() - self.started, 4),
+        }
         if self.weights is not None:
             failures = self.weights.stats().get("failures", 0)
             status["weight_sync_failures"] = failures if isinstance(failures, int) else len(failures)
@@ -105,12 +119,15 @@ class RolloutWorker:
         update = update if update is not None else self.weights.poll()
         if update is None:
             return False
+        t0 = time.perf_counter()
         try:
             self.engine.apply_weights(update)
         except Exception:  # deliberate fault tolerance: keep generating with the version we have
             self.weight_failures += 1
             logger.exception("worker %s: applying weights of version %d failed", self.worker_id, update.version)
             return False
+        finally:
+            self.weight_apply_s += time.perf_counter() - t0
         self.weights.commit(update.version)
         logger.info("worker %s: now at policy version %d", self.worker_id, update.version)
         self._report()
@@ -126,8 +143,8 @@ class RolloutWorker:
             GenerationRequest(epoch=lease.epoch, prompt_index=lease.prompt_index, prompt=lease.prompt, n=lease.group_size)
             for lease in leases
         ]
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
             if self.environment is not None:
                 completions = run_episodes(self.engine, self.environment, requests)
             elif self.interrupt_every_tokens and self.weights is not None:
@@ -148,9 +165,13 @@ class RolloutWorker:
             for lease in leases:
                 self.sender.send_failed(lease, error)
             return
+        finally:
+            self.busy_s += time.perf_counter() - t0
         for lease, group in zip(leases, groups):
             self.sender.send_group(lease, group)
             self.groups_sent += 1
+            self.rollouts_sent += len(group.rollouts)
+            self.tokens_generated += sum(int(r.response_ids.numel()) for r in group.rollouts)
         self._report()
 
     def _group(self, lease: ReceivedLease, completions: list[Completion], generate_s: float) -> Group:
