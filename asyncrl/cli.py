@@ -4,6 +4,12 @@
 those addresses (one per trainer rank), e.g. on another machine. Worker settings come from
 ``--config FILE.json`` (``{"worker": {...}, "transport": {...}}``) and dotted overrides such as
 ``--set worker.slots=8 --set worker.engine.max_new_tokens=256``.
+
+The debugger's commands (``asyncrl <command> --help`` for each):
+
+- ``asyncrl replay DUMP --checkpoint CKPT``: recompute a dumped batch token by token (asyncrl.debug.replay).
+- ``asyncrl align --model DIR [--engine hf|vllm]``: rollout vs trainer logprobs gate (asyncrl.debug.align).
+- ``asyncrl report RUN_DIR``: a self-contained HTML report of a run (asyncrl.debug.report).
 """
 
 from __future__ import annotations
@@ -61,7 +67,19 @@ def _worker(args: argparse.Namespace) -> None:
     )
 
 
+_TOOLS = {
+    "replay": ("asyncrl.debug.replay", "recompute a dumped batch and say token by token where rollout and trainer disagree"),
+    "align": ("asyncrl.debug.align", "rollout-side vs trainer-side logprobs on the same tokens; non-zero exit above a threshold"),
+    "report": ("asyncrl.debug.report", "write a self-contained HTML report (and PNGs) of a run directory"),
+}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _TOOLS:  # each tool owns its arguments (and its --help)
+        import importlib
+
+        sys.exit(importlib.import_module(_TOOLS[argv[0]][0]).main(argv[1:]))
     parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     w = sub.add_parser("worker", help="run a rollout worker that serves one or more trainer ranks")
@@ -74,6 +92,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     w.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     w.add_argument("--log-level", default=os.environ.get("ASYNCRL_LOG_LEVEL", "WARNING"))
     w.set_defaults(func=_worker)
+    for name, (_, help_text) in _TOOLS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     args.func(args)

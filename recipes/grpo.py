@@ -142,6 +142,10 @@ def load_config(path: str | None, overrides: list[str]) -> RecipeConfig:
     return from_dict(RecipeConfig, tree)
 
 
+MAX_LAG_BIN = 16
+"""``staleness_hist[i]`` counts the step's rollouts ``i`` versions behind the trainer (the last bin: i or more)."""
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # the recipe
 
@@ -378,6 +382,8 @@ class GRPORecipe:
         dist.all_reduce(summed)
         top = stats[3:4].clone()
         dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        lag_hist = torch.bincount(staleness.long().clamp(0, MAX_LAG_BIN), minlength=MAX_LAG_BIN + 1).to(self.device)
+        dist.all_reduce(lag_hist)
         return {
             "step": self.step,
             "policy_version": self.version,
@@ -389,6 +395,7 @@ class GRPORecipe:
             "reward_mean": float(summed[0] / summed[1]),
             "staleness_mean": float(summed[2] / summed[1]),
             "staleness_max": float(top[0]),
+            "staleness_hist": lag_hist.tolist(),
             "tokens": float(summed[4]),
             "weight_bytes": weight_bytes,
             "publish_s": publish_s,
