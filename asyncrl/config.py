@@ -82,11 +82,21 @@ class EngineConfig:
     """Longest response (fake engine: lengths are uniform in [min_new_tokens, max_new_tokens], or
     long-tailed with ``length_tail``)."""
     length_tail: float = 0.0
-    """Fake engine: 0 = uniform lengths; > 0 = lognormal sigma of a long-tailed length distribution."""
+    """0 = natural lengths (fake engine: uniform in [min_new_tokens, max_new_tokens]); > 0 = sigma of a
+    lognormal length distribution with median ``length_median``, clipped to [min_new_tokens, max_new_tokens]
+    (fake engine always; ``hf``/``vllm`` with ``ignore_eos``): the benchmarks' long-tailed workloads."""
+    length_median: int | None = None
+    """Median response length of the long-tailed distribution; None = 2 x ``min_new_tokens``."""
+    ignore_eos: bool = False
+    """``hf``/``vllm``: do not stop at EOS (the sampling distribution is unchanged; tokens after EOS are
+    generated and trained on like any other). With ``length_tail`` > 0 each response's length is drawn
+    from the length distribution; reward functions see the text up to the first EOS. For benchmarks."""
     vocab_size: int = 32000
     """Fake engine: token ids are drawn from [0, vocab_size)."""
     seconds_per_token: float = 0.0
     """Fake engine: simulated generation time per generated token."""
+    weight_load_s: float = 0.0
+    """Fake engine: simulated seconds to load one weight update into the engine (time model)."""
     max_model_len: int | None = None
     """``vllm``: longest prompt + response (None: the model's own limit)."""
     kv_cache_bytes: int = 64 * 1024 * 1024

@@ -30,7 +30,7 @@ class FakeEngine(Engine):
     def _length(self, rng: np.random.Generator) -> int:
         c = self.config
         if c.length_tail > 0:
-            median = max(c.min_new_tokens, 1) * 2
+            median = c.length_median or max(c.min_new_tokens, 1) * 2
             return int(np.clip(rng.lognormal(np.log(median), c.length_tail), c.min_new_tokens, c.max_new_tokens))
         return int(rng.integers(c.min_new_tokens, c.max_new_tokens + 1))
 
@@ -58,6 +58,8 @@ class FakeEngine(Engine):
         """Adopts the update's version (the fake engine has no weights); from now on it follows the
         broadcaster instead of the version the pool announces."""
         self.follows_pool_version = False
+        if self.config.weight_load_s > 0:
+            time.sleep(self.config.weight_load_s)
         self.policy_version = update.version
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
