@@ -11,7 +11,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-__all__ = ["EngineConfig", "LoaderConfig", "TransportConfig", "WeightSyncConfig", "WorkerConfig", "from_dict", "to_dict"]
+__all__ = ["EngineConfig", "FaultConfig", "LoaderConfig", "TransportConfig", "WeightSyncConfig", "WorkerConfig", "from_dict", "to_dict"]
 
 C = TypeVar("C")
 
@@ -132,6 +132,26 @@ class WeightSyncConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class FaultConfig:
+    """Fault injection into a worker, for the debugger's own tests (``workers.faults``). Never in production."""
+
+    kind: Literal["none", "stale_weights", "shift_logprobs", "nan_logprobs", "exploding_reward"] = "none"
+    """``stale_weights``: keep the old weights but stamp the new version; ``shift_logprobs``: report each
+    logprob one position late (a mask/position off-by-one); ``nan_logprobs``: a NaN logprob per rollout;
+    ``exploding_reward``: rewards times ``scale``."""
+    from_version: int = 1
+    """The fault starts with the first rollout (or weight update) of this policy version."""
+    fraction: float = 1.0
+    """Fraction of groups affected (drawn per group and attempt, so a rejected group can pass on re-lease)."""
+    scale: float = 1000.0
+    """``exploding_reward``: the factor."""
+
+    def __post_init__(self):
+        if not 0 < self.fraction <= 1 or self.from_version < 0:
+            raise ValueError(f"need 0 < {self.fraction=} <= 1 and {self.from_version=} >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
 class WorkerConfig:
     """One rollout worker process."""
 
@@ -150,6 +170,8 @@ class WorkerConfig:
     ``max_batch`` lets the next batch's leases arrive while this one generates."""
     max_batch: int = 4
     """Most leases generated together in one engine call."""
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    """Fault injection for the debugger's tests (off by default)."""
 
     def __post_init__(self):
         if self.slots < 1 or self.max_batch < 1:

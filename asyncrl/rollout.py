@@ -198,7 +198,9 @@ class Rollout:
         if n:
             lp = self.logprobs.numpy()  # numpy reductions cost a fraction of torch's per-call overhead
             if not np.isfinite(lp).all():
-                raise DecodeError(f"{self.uid}: non-finite rollout logprobs")
+                where = np.flatnonzero(~np.isfinite(lp))
+                raise DecodeError(f"{self.uid} (worker {self.worker_id}): non-finite rollout logprobs at response "
+                                  f"positions {where[:8].tolist()}{' ...' if where.size > 8 else ''}")
             if lp.max() > 1e-4:
                 raise DecodeError(f"{self.uid}: logprobs must be <= 0, max is {float(lp.max())}")
         if min(self.epoch, self.prompt_index, self.sample_index, self.policy_version) < 0:

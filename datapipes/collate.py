@@ -55,5 +55,6 @@ def collate_groups(groups: list[Group], pad_token_id: int = 0) -> TrainBatch:
         "group_ids": [g.group_id for g in groups],
         "uids": [r.uid for r in rollouts],
         "worker_ids": [r.worker_id for r in rollouts],
+        "finish_reasons": [r.finish_reason for r in rollouts],
         "num_tokens": sum(lengths),
     }

@@ -45,6 +45,7 @@ import yaml
 from asyncrl import LoaderConfig, RolloutLoader
 from asyncrl.codec import dumps_json
 from asyncrl.config import WeightSyncConfig, from_dict
+from asyncrl.debug.detectors import DebugConfig, Debugger
 from asyncrl.dump import write_dump
 from asyncrl.logprobs import token_logprobs
 from asyncrl.losses import LossConfig, group_advantages, mismatch_metrics, policy_loss
@@ -125,6 +126,7 @@ class RecipeConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     weights: WeightSyncConfig = field(default_factory=lambda: WeightSyncConfig(type="shm"))
     rollout: LoaderConfig = field(default_factory=LoaderConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
 
 def load_config(path: str | None, overrides: list[str]) -> RecipeConfig:
@@ -194,6 +196,18 @@ class GRPORecipe:
         mode = "ab" if latest is not None else "wb"  # a fresh run in an old run_dir starts its logs over
         self.metrics_file = open(self.run_dir / "metrics.jsonl", mode) if self.rank == 0 else None
         self.consumed_file = open(self.run_dir / f"consumed-rank{self.rank}.jsonl", mode)
+        self.debugger = None
+        if cfg.debug.enabled:
+            engine = cfg.rollout.worker.engine
+            context = {
+                "model_dir": str(Path(self.model_dir).resolve()),
+                "sampling": {"temperature": engine.temperature, "top_k": engine.top_k, "top_p": engine.top_p},
+                "loss_config": dataclasses.asdict(cfg.loss),
+                "checkpoint_dir": str(self.ckpt_dir.resolve()),
+                "lora_rank": cfg.lora.rank,
+            }
+            self.debugger = Debugger(self.run_dir, self.rank, cfg.debug, max_staleness=cfg.rollout.max_staleness,
+                                     context=context, append=latest is not None)
 
     def _warm_base_for_lora(self) -> None:
         """LoRA trains an adapter on a frozen base, so the supervised warm start trains the base first and
@@ -365,6 +379,7 @@ class GRPORecipe:
         grad_norm = float(torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
                                                          cfg.train.grad_clip))
         accepted, reason, ratio = self._guarded_step(loss, grad_norm, snapshot)
+        consumed_version = self.version
         weight_bytes = 0
         publish_s = 0.0
         if accepted:
@@ -374,8 +389,18 @@ class GRPORecipe:
             publish_s = time.perf_counter() - t_publish
             weight_bytes = self.last_publish_bytes
             self.loader.set_policy_version(self.version)
-        else:
+        elif self.debugger is None:  # with the debugger on, a rejection is one of its anomalies (and dumps)
             self._dump(batch, rewards, reason, loss, grad_norm, ratio)
+        if self.debugger is not None:
+            record = self.debugger.observe(
+                step=self.step, policy_version=consumed_version, batch=batch, rewards=rewards,
+                trainer_logprobs=logp.detach(), advantages=advantages, accepted=accepted, guard_reason=reason,
+                loss=float(loss.detach()), grad_norm=grad_norm, update_ratio=ratio, weight_bytes=weight_bytes,
+                publish_s=publish_s, transport=self.loader.stats()["transport"], weights=lambda: snapshot[0],
+            )
+            for a in record["anomalies"]:
+                print(f"[rank {self.rank}] step {self.step}: anomaly {a['kind']}: {a['detail']}"
+                      + (f" (batch dumped to {self.run_dir / a['dump']})" if a["dump"] else ""), file=sys.stderr)
         stats = torch.tensor([float(rewards.nan_to_num().sum()), float(rewards.numel()), float(staleness.sum()),
                               float(staleness.max()), float(batch["num_tokens"])], device=self.device)
         summed = stats.clone()
@@ -523,6 +548,8 @@ class GRPORecipe:
     # -- cleanup -----------------------------------------------------------------------------------------------------
     def cleanup(self) -> None:
         self.loader.close()
+        if self.debugger is not None:
+            self.debugger.close()
         if self.broadcaster is not None:
             self.broadcaster.close()
             if self.cfg.weights.type == "shm":
@@ -546,7 +573,7 @@ def replay_rejection(dump_path: str | os.PathLike, checkpoint: str | os.PathLike
     from asyncrl.dump import read_dump
 
     kind, body = read_dump(dump_path)
-    if kind != "rejected_batch":
+    if kind not in ("rejected_batch", "anomaly_batch"):
         raise ValueError(f"{dump_path} holds a {kind!r}, not a rejected batch")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, cfg.model.dtype))
     state = {GRPORecipe.CHECKPOINT_MODEL: model.state_dict()}

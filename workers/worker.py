@@ -26,10 +26,11 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from asyncrl.config import TransportConfig, WorkerConfig
-from asyncrl.rollout import Group, Rollout
+from asyncrl.config import FaultConfig, TransportConfig, WorkerConfig
+from asyncrl.rollout import Group, Rollout, make_group_id
 from asyncrl.transport import ReceivedLease, RolloutSender, setup_rollout_sender
 from workers.engines.base import Completion, Engine, GenerationRequest, build_engine
+from workers import faults
 from workers.environments import Environment, load_environment, run_episodes
 from workers.partial import generate_interruptible
 from workers.rewards import RewardFn, call_reward, load_reward, split_reward
@@ -63,6 +64,7 @@ class RolloutWorker:
         weights: Any | None = None,
         environment: type[Environment] | None = None,
         interrupt_every_tokens: int = 0,
+        fault: FaultConfig | None = None,
     ):
         self.worker_id = worker_id
         self.engine = engine
@@ -73,6 +75,7 @@ class RolloutWorker:
         self.weights = weights
         self.environment = environment
         self.interrupt_every_tokens = interrupt_every_tokens
+        self.fault = fault or FaultConfig()
         self.groups_sent = 0
         self.rollouts_sent = 0
         self.tokens_generated = 0
@@ -121,7 +124,10 @@ class RolloutWorker:
             return False
         t0 = time.perf_counter()
         try:
-            self.engine.apply_weights(update)
+            if faults.skips_weights(self.fault, update.version):  # injected fault: commit without loading
+                self.engine.policy_version = update.version
+            else:
+                self.engine.apply_weights(update)
         except Exception:  # deliberate fault tolerance: keep generating with the version we have
             self.weight_failures += 1
             logger.exception("worker %s: applying weights of version %d failed", self.worker_id, update.version)
@@ -182,8 +188,12 @@ class RolloutWorker:
             values = call_reward(self.reward_fn, [lease.prompt] * len(completions), completions)
         reward_s = time.perf_counter() - t0
         rollouts = []
+        group_id = make_group_id(lease.epoch, lease.prompt_index)
         for sample, (c, value) in enumerate(zip(completions, values)):
             reward, components = split_reward(value)
+            if faults.affects_group(self.fault, group_id, lease.lease_id, c.policy_version):  # injected fault
+                faults.corrupt_completion(self.fault, c)
+                reward = faults.corrupt_reward(self.fault, reward)
             r = Rollout(
                 epoch=lease.epoch,
                 prompt_index=lease.prompt_index,
@@ -236,6 +246,7 @@ def run_worker(
         weights=receiver,
         environment=environment,
         interrupt_every_tokens=config.interrupt_every_tokens,
+        fault=config.fault,
     )
     if receiver is not None:  # a late joiner starts from the current weights, not the initial ones
         first = receiver.wait(0, timeout=config.weights.wait_for_first_s)

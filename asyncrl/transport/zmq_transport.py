@@ -186,7 +186,9 @@ class ZmqRolloutReceiver(RolloutReceiver):
     def _bad(self, identity: bytes, error: DecodeError) -> None:
         with self._lock:
             self._counters["bad_messages"] += 1
-            self._recent_errors.append((identity.hex(), str(error)[:300]))
+            peer = self._peers.get(identity)
+            who = peer.worker_id if peer is not None else identity.hex()
+            self._recent_errors.append((who, str(error)[:300]))
         if self._counters["bad_messages"] <= 10 or self._counters["bad_messages"] % 1000 == 0:
             logger.warning("rank %d: rejected message from peer %s: %s", self.rank, identity.hex(), error)
 

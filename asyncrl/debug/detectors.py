@@ -1,0 +1,290 @@
+"""Anomaly detectors over the per-step record, and the capture of an offending batch as a dump.
+
+:class:`Debugger` is what a training loop holds: once per step, after its update, the loop calls
+:meth:`Debugger.observe`; it builds the step record (:mod:`asyncrl.debug.record`), runs the
+detectors on it, and if any fires writes the batch with its full provenance to
+``{run_dir}/dumps/step-{step:06d}-rank{r}.msgpack`` (``asyncrl.dump`` format, kind ``anomaly_batch``)
+and one line per anomaly to ``{run_dir}/debug/anomalies.jsonl``. Detectors only observe: they never
+change the update (the update guard does that, and its rejections are one of the detectors).
+
+Detectors (``DebugConfig.detectors``), each for a class of bug:
+
+- ``nonfinite``: NaN/inf in rewards, advantages, rollout or trainer logprobs, loss or grad norm.
+- ``guard_rejection``: the update guard rejected the step's update.
+- ``version_lag``: a rollout more versions behind the trainer than the bound (the loader's
+  ``max_staleness`` by default): the pipeline's staleness fence is broken.
+- ``logprob_mismatch``: on tokens the rollout says were sampled from the trainer's current version,
+  rollout and trainer logprobs differ by more than ``logprob_tol``. Off-policy tokens may differ;
+  these may not: a mask or position shift, stale weights under a wrong version stamp, a bad reshard.
+- ``logprob_shift``: the p99 of |trainer - rollout logprob| jumps against the running window
+  (robust z-score in decades): catches the same bugs in fully off-policy batches.
+- ``reward_shift``: the batch's reward mean or spread jumps against the running window.
+- ``ratio_tail``: too many tokens with importance ratio outside [0.5, 2).
+- ``rejected_rollouts``: the pool's gate rejected rollouts during this step (bad messages): what a
+  worker sent never reached the batch, and the dump carries the gate's reasons.
+
+Shift detectors compare against the last ``window`` steps on which they did not fire, so a
+persisting fault keeps firing instead of becoming the new normal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import statistics
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import torch
+
+from asyncrl.debug.record import StepRecorder, step_record
+from asyncrl.dump import write_dump
+
+__all__ = ["DETECTORS", "Anomaly", "AnomalyDetectors", "DebugConfig", "Debugger", "weights_checksum"]
+
+DETECTORS = ("nonfinite", "guard_rejection", "version_lag", "logprob_mismatch", "logprob_shift", "reward_shift",
+             "ratio_tail", "rejected_rollouts")
+
+
+@dataclass(kw_only=True, slots=True)
+class DebugConfig:
+    """The RL debugger in a training loop."""
+
+    enabled: bool = True
+    """Write the per-step record and run the detectors."""
+    detectors: list[str] = field(default_factory=lambda: list(DETECTORS))
+    """Which detectors run (all by default)."""
+    window: int = 20
+    """Steps of history the shift detectors compare against."""
+    min_history: int = 3
+    """Shift detectors stay quiet until they have this many steps of history."""
+    shift_z: float = 8.0
+    """Robust z-score (median/MAD, with a floor on the scale) above which a shift fires."""
+    logprob_tol: float = 1e-3
+    """Largest |trainer - rollout logprob| tolerated on on-policy tokens. fp32 engines agree to ~1e-6
+    (asyncrl align); bf16 needs ~5e-2."""
+    max_version_lag: int | None = None
+    """Bound of ``version_lag``; None = the loader's ``max_staleness`` (no check if that is None too)."""
+    ratio_tail_fraction: float = 0.05
+    """``ratio_tail`` fires when more than this fraction of tokens has a ratio outside [0.5, 2)."""
+    max_dumps: int = 100
+    """Most dumps one rank writes in a run (the anomaly lines are always written)."""
+
+    def __post_init__(self):
+        unknown = set(self.detectors) - set(DETECTORS)
+        if unknown:
+            raise ValueError(f"unknown debug.detectors {sorted(unknown)}; choose from {list(DETECTORS)}")
+        if self.window < 1 or self.min_history < 1 or self.logprob_tol <= 0:
+            raise ValueError(f"need {self.window=} >= 1, {self.min_history=} >= 1, {self.logprob_tol=} > 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class Anomaly:
+    kind: str
+    detail: str
+
+
+def _robust_z(value: float, history: deque[float], floor: float) -> float:
+    med = statistics.median(history)
+    mad = statistics.median(abs(h - med) for h in history)
+    return abs(value - med) / max(1.4826 * mad, floor)
+
+
+class AnomalyDetectors:
+    """The detectors with their running windows. :meth:`check` one record per step, in order."""
+
+    def __init__(self, config: DebugConfig, max_staleness: int | None = None):
+        self.config = config
+        self.bound = config.max_version_lag if config.max_version_lag is not None else max_staleness
+        self.history: dict[str, deque[float]] = {}
+
+    def _shift(self, name: str, value: float | None, floor: float, what: str) -> str | None:
+        """Compares ``value`` with its window; records it if it is not a shift. Returns the detail or None."""
+        if value is None or not math.isfinite(value):
+            return None
+        hist = self.history.setdefault(name, deque(maxlen=self.config.window))
+        if len(hist) >= self.config.min_history:
+            z = _robust_z(value, hist, floor)
+            if z > self.config.shift_z:
+                return f"{what} {value:.4g} vs window median {statistics.median(hist):.4g} (robust z={z:.1f})"
+        hist.append(value)
+        return None
+
+    def check(self, record: dict[str, Any], transport: dict[str, Any] | None = None) -> list[Anomaly]:
+        on = set(self.config.detectors)
+        dist = record["dist"]
+        out: list[Anomaly] = []
+        if "nonfinite" in on:
+            bad = {k: dist[k]["nonfinite"] for k in ("reward", "advantage", "rollout_logprob", "trainer_logprob")
+                   if dist[k]["nonfinite"]}
+            for k in ("loss", "grad_norm"):
+                if record[k] is None:
+                    bad[k] = 1
+            if bad:
+                out.append(Anomaly(kind="nonfinite", detail="non-finite values: " + ", ".join(f"{k}×{n}" for k, n in bad.items())))
+        if "guard_rejection" in on and not record["accepted"]:
+            out.append(Anomaly(kind="guard_rejection", detail=record["guard_reason"]))
+        if "version_lag" in on and self.bound is not None and record["version_lag"]["max"] > self.bound:
+            out.append(Anomaly(kind="version_lag", detail=f"rollout {record['version_lag']['max']} versions behind "
+                                                          f"the trainer > bound {self.bound}"))
+        onp = dist["logprob_diff_onpolicy"]
+        if "logprob_mismatch" in on and onp["n"]:
+            worst = max(abs(onp["min"]), abs(onp["max"]))
+            if worst > self.config.logprob_tol:
+                out.append(Anomaly(kind="logprob_mismatch", detail=(
+                    f"max |trainer - rollout logprob| = {worst:.3g} on {onp['n']} on-policy tokens "
+                    f"(tolerance {self.config.logprob_tol:g}); p50 {abs(onp['q']['50']):.3g}")))
+        diff = dist["logprob_diff"]
+        if "logprob_shift" in on and diff["n"]:
+            p99 = max(abs(diff["q"]["1"]), abs(diff["q"]["99"]))
+            detail = self._shift("logprob_p99", math.log10(p99 + 1e-12), 0.25, "log10 p99 |trainer - rollout logprob|")
+            if detail:
+                out.append(Anomaly(kind="logprob_shift", detail=detail))
+        reward = dist["reward"]
+        if "reward_shift" in on and reward["n"]:
+            for stat in ("mean", "std"):
+                hist = self.history.get(f"reward_{stat}")
+                floor = max(0.1 * abs(statistics.median(hist)), 0.05) if hist else 0.05
+                detail = self._shift(f"reward_{stat}", reward[stat], floor, f"reward {stat}")
+                if detail:
+                    out.append(Anomaly(kind="reward_shift", detail=detail))
+        ratio = dist["importance_ratio"]
+        if "ratio_tail" in on and ratio["n"]:
+            counts = ratio["hist"]["counts"]
+            tail = (counts[0] + counts[-1]) / ratio["n"]
+            if tail > self.config.ratio_tail_fraction:
+                out.append(Anomaly(kind="ratio_tail", detail=(
+                    f"{tail:.1%} of tokens have importance ratio outside [0.5, 2) (limit "
+                    f"{self.config.ratio_tail_fraction:.1%}); min {ratio['min']:.3g}, max {ratio['max']:.3g}")))
+        if "rejected_rollouts" in on and transport and transport.get("bad_messages_delta", 0) > 0:
+            errors = "; ".join(f"{w}: {e}" for w, e in transport.get("recent_errors", [])[-3:])
+            out.append(Anomaly(kind="rejected_rollouts", detail=(
+                f"the pool rejected {transport['bad_messages_delta']} message(s) during this step: {errors}")))
+        return out
+
+
+def weights_checksum(tensors: list[torch.Tensor]) -> str:
+    """sha256 of the tensors' bytes in order (FSDP shards: of this rank's shard)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class Debugger:
+    """Per-step record + detectors + capture, for one trainer rank.
+
+    Args:
+        run_dir: the run directory (``debug/`` and ``dumps/`` go there).
+        rank: this trainer rank.
+        config: :class:`DebugConfig`.
+        max_staleness: the loader's bound (``version_lag``'s default).
+        context: what a replay needs besides the batch, stored in every dump: ``model_dir``,
+            ``sampling`` (temperature, top_k, top_p), ``loss`` (the loss config as a dict),
+            ``checkpoint_dir``.
+        append: a resumed run continues its record.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, rank: int, config: DebugConfig, *, max_staleness: int | None,
+                 context: dict[str, Any], append: bool = False):
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.config = config
+        self.context = context
+        self.detectors = AnomalyDetectors(config, max_staleness)
+        self.recorder = StepRecorder(run_dir, rank, append=append)
+        self.anomalies_path = self.run_dir / "debug" / "anomalies.jsonl"
+        if not append and rank == 0:
+            self.anomalies_path.unlink(missing_ok=True)
+        self.dumps = 0
+        self._bad_messages = 0
+
+    def observe(
+        self,
+        *,
+        step: int,
+        policy_version: int,
+        batch: dict[str, Any],
+        trainer_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        accepted: bool,
+        guard_reason: str,
+        loss: float,
+        grad_norm: float,
+        update_ratio: float,
+        rewards: torch.Tensor | None = None,
+        weight_bytes: int = 0,
+        publish_s: float = 0.0,
+        transport: dict[str, Any] | None = None,
+        weights: Callable[[], list[torch.Tensor]] | None = None,
+    ) -> dict[str, Any]:
+        """Records the step, runs the detectors and dumps the batch if any fired; returns the record.
+
+        Args:
+            transport: the loader's transport stats (``loader.stats()["transport"]``), for ``rejected_rollouts``.
+            weights: returns the parameters the batch was scored with (checksummed only for a dump).
+        """
+        record = step_record(step=step, rank=self.rank, policy_version=policy_version, batch=batch,
+                             trainer_logprobs=trainer_logprobs, advantages=advantages, accepted=accepted,
+                             guard_reason=guard_reason, loss=loss, grad_norm=grad_norm, update_ratio=update_ratio,
+                             weight_bytes=weight_bytes, publish_s=publish_s, rewards=rewards)
+        gate = None
+        if transport is not None:
+            bad = int(transport.get("bad_messages", 0))
+            gate = {"bad_messages_delta": bad - self._bad_messages, "recent_errors": transport.get("recent_errors", [])}
+            self._bad_messages = bad
+            record["bad_messages"] = gate["bad_messages_delta"]
+        anomalies = self.detectors.check(record, gate)
+        dump = None
+        if anomalies and self.dumps < self.config.max_dumps:
+            dump = self._capture(record, anomalies, batch, trainer_logprobs, advantages, rewards, gate, weights,
+                                 loss, grad_norm, update_ratio, guard_reason)
+            self.dumps += 1
+        record["anomalies"] = [{"kind": a.kind, "detail": a.detail, "dump": dump} for a in anomalies]
+        self.recorder.write(record)
+        for a in record["anomalies"]:
+            line = {"step": step, "rank": self.rank, "time": record["time"], **a}
+            with open(self.anomalies_path, "ab") as f:  # O_APPEND: one write per line, ranks may share the file
+                f.write(orjson.dumps(line) + b"\n")
+        return record
+
+    def _capture(self, record, anomalies, batch, trainer_logprobs, advantages, rewards, gate, weights, loss,
+                 grad_norm, update_ratio, guard_reason) -> str:
+        tensors = {k: v.detach().cpu() for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        if rewards is not None:
+            tensors["rewards"] = rewards.detach().cpu()
+        body = {
+            "step": record["step"],
+            "rank": self.rank,
+            "policy_version": record["policy_version"],
+            "anomalies": [{"kind": a.kind, "detail": a.detail} for a in anomalies],
+            "reason": guard_reason,
+            "accepted": record["accepted"],
+            "loss": float(loss),
+            "grad_norm": float(grad_norm),
+            "update_ratio": float(update_ratio),
+            "batch": tensors,
+            "trainer_logprobs": trainer_logprobs.detach().float().cpu(),
+            "advantages": advantages.detach().float().cpu(),
+            "uids": list(batch["uids"]),
+            "group_ids": list(batch["group_ids"]),
+            "worker_ids": list(batch["worker_ids"]),
+            "weights": {"version": record["policy_version"],
+                        "sha256": weights_checksum(weights()) if weights is not None else None},
+            "gate": gate,
+            "record": {k: v for k, v in record.items() if k not in ("uids", "anomalies")},
+            "history": {k: list(v) for k, v in self.detectors.history.items()},
+            **self.context,
+        }
+        name = f"step-{record['step']:06d}-rank{self.rank}.msgpack"
+        write_dump(self.run_dir / "dumps" / name, "anomaly_batch", body)
+        return f"dumps/{name}"
+
+    def close(self) -> None:
+        self.recorder.close()
