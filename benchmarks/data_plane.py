@@ -26,12 +26,28 @@ logprobs per rollout (8448 B); 1 MB = 1e6 B. Paths, all measured in this one run
   zmq_same_work     asyncrl's work at both ends without its control plane: producers run the real worker
                     step and encode each group, PUSH to PULL; the consumer decodes, ``Group.from_wire``
                     validates and ``collate_groups`` batches (no leases, ledger, pool, threads or torchdata).
+  ray_actor         the design of verl's fully-async trainer (``verl/experimental/fully_async_policy/
+                    message_queue.py``): one Ray actor holds a bounded deque (asyncio actor, ``maxsize =
+                    capacity``); N producer actors run the same worker step as mp_queue and call
+                    ``ray.get(queue.put.remote(group))`` (waiting while the queue is full: backpressure, where
+                    verl drops the oldest sample); the consumer calls ``ray.get(queue.get.remote())``
+                    ``batch_size`` times (waiting while it is empty) and ``collate_groups``. Ray serializes the
+                    ``Group`` (pickle 5, out-of-band buffers; the object store for values over 100 KiB).
+  ray_actor_bytes   the same, putting ``pickle.dumps(group, protocol=5)`` bytes: what verl actually puts
+                    (``ray.cloudpickle.dumps(sample)``); the consumer unpickles and collates.
+  ray_actor_numpy   the same, putting ``to_wire()`` dicts with numpy arrays (out-of-band buffers in Ray's
+                    serializer); the consumer validates with ``Group.from_wire`` and collates.
+                    Ray is optional (``pip install .[bench]``): without it the ray paths are skipped and
+                    recorded as ``{"skipped": reason}``. Each ray path starts and shuts down its own local
+                    Ray instance (``address="local"``), outside the clock; run from the repository root
+                    (Ray workers import this module from the driver's working directory).
 
 Each path starts its producers, waits for the first delivery (start-up stays outside the clock) and then
 measures ``--repeats`` back-to-back windows of ``--seconds``. The JSON in ``benchmarks/results/`` has
 config, machine, commit, date, median/min/max per path, the CPU time each role spent per rollout
-during the windows, the 1-minute load average, and the ratios asyncrl/<path> (targets: >= 2x mp_queue,
->= 0.75x zmq_raw). The consumer process runs with ``--consumer-threads`` torch threads (default 1, as the
+during the windows (for the ray paths also the queue actor's and Ray's node processes', ``other:*``), the
+1-minute load average, and the ratios asyncrl/<path> (targets: >= 2x mp_queue, >= 0.75x zmq_raw, >= 5x
+ray_actor). The consumer process runs with ``--consumer-threads`` torch threads (default 1, as the
 workers): on a small machine intra-op threads spin and steal the producers' cores.
 
     .venv/bin/python -m benchmarks.data_plane [--workers 2] [--seconds 8] [--repeats 3] [--paths asyncrl,...]
@@ -40,16 +56,23 @@ workers): on a small machine intra-op threads spin and steal the producers' core
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import datetime as dt
+import importlib
 import json
 import multiprocessing as mp
 import os
 import pickle
 import queue as queue_lib
+import signal
 import statistics
+import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -78,7 +101,7 @@ PAYLOAD_BYTES_KEY = "payload_bytes"
 TENSOR_FIELDS = ("prompt_ids", "response_ids", "logprobs")  # the payload counted in bytes/s
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 ENGINE = EngineConfig(min_new_tokens=RESPONSE_TOKENS, max_new_tokens=RESPONSE_TOKENS, seconds_per_token=0.0)
-TARGETS = {"asyncrl/mp_queue": 2.0, "asyncrl/zmq_raw": 0.75}
+TARGETS = {"asyncrl/mp_queue": 2.0, "asyncrl/zmq_raw": 0.75, "asyncrl/ray_actor": 5.0}
 Step = Callable[[], tuple[int, int]]  # consumes one delivery -> (rollouts, payload bytes)
 
 
@@ -258,6 +281,194 @@ def send_until_stopped(sock: zmq.Socket, frames: list, stop: Any) -> None:
             continue
 
 
+# -- the Ray actor queue (verl's fully-async MessageQueue) -----------------------------------------
+class PathSkipped(Exception):
+    """A path that cannot run here (an optional dependency is missing): recorded as skipped, not a crash."""
+
+
+class RayQueue:
+    """verl's ``MessageQueue`` with backpressure: an asyncio Ray actor holding a deque of at most ``maxsize`` items.
+
+    ``put`` waits while the queue is full (verl's ``put_sample`` drops the oldest sample instead; this
+    benchmark counts every delivered rollout, so it waits as ``mp.Queue.put`` does); ``get`` waits while it
+    is empty, as verl's ``get_sample``. ``close`` wakes everyone: ``put`` then returns False, ``get`` None.
+    Plain class here; ``ray.remote`` wraps it in :func:`ray_actor_queue` so that importing this module needs
+    no Ray.
+    """
+
+    def __init__(self, maxsize: int):
+        self.maxsize = maxsize
+        self.items: deque[Any] = deque()
+        self.running = True
+        self.produced = self.consumed = 0
+        lock = asyncio.Lock()  # no event loop needed at construction (Python >= 3.10), as in verl
+        self.not_empty, self.not_full = asyncio.Condition(lock), asyncio.Condition(lock)
+
+    async def put(self, item: Any) -> bool:
+        async with self.not_full:
+            while self.running and len(self.items) >= self.maxsize:
+                await self.not_full.wait()
+            if not self.running:
+                return False
+            self.items.append(item)
+            self.produced += 1
+            self.not_empty.notify()
+            return True
+
+    async def get(self) -> Any:
+        async with self.not_empty:
+            while self.running and not self.items:
+                await self.not_empty.wait()
+            if not self.items:
+                return None
+            self.consumed += 1
+            self.not_full.notify()
+            return self.items.popleft()
+
+    async def close(self) -> None:
+        async with self.not_empty:
+            self.running = False
+            self.not_empty.notify_all()
+            self.not_full.notify_all()
+
+    async def stats(self) -> dict[str, int]:
+        return {"size": len(self.items), "produced": self.produced, "consumed": self.consumed}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RayProducer:
+    """A producer actor: the real worker step (as :func:`mp_queue_producer`), then ``queue.put`` of each group."""
+
+    def __init__(self) -> None:
+        torch.set_num_threads(1)  # as LocalWorkerLauncher's OMP_NUM_THREADS=1
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run(self, rank: int, world: int, num_prompts: int, mode: str, queue: Any) -> int:
+        """Produces until the queue is closed; returns the groups put. One put in flight, as verl's rollouter."""
+        import ray
+
+        closed, groups = False, 0
+
+        def deliver(group: Group) -> None:
+            nonlocal closed, groups
+            if not closed and ray.get(queue.put.remote(to_queue_item(group, mode))):
+                groups += 1
+            else:
+                closed = True
+
+        worker = make_worker(f"ray-{rank}", deliver)
+        for leases in lease_batches(rank, world, worker.max_batch, num_prompts):
+            if closed:
+                return groups
+            worker.step(leases)
+        return groups
+
+
+def importable_self() -> Any:
+    """This module under its import name: under ``-m`` it is ``__main__``, whose classes Ray would pickle by value."""
+    return importlib.import_module("benchmarks.data_plane") if __name__ == "__main__" else sys.modules[__name__]
+
+
+def ray_node_pids(ray: Any) -> dict[str, list[int]]:
+    """pids of the local Ray node's own processes (GCS, raylet, agents, ...) by type; {} if Ray hides them."""
+    try:
+        node = ray._private.worker._global_node  # internal API: only for CPU accounting and the exit check
+        return {kind: [info.process.pid for info in infos if info.process is not None]
+                for kind, infos in node.all_processes.items()}
+    except Exception:
+        return {}
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    alive = [p for p in pids if pid_alive(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [p for p in alive if pid_alive(p)]
+    return alive
+
+
+@contextlib.contextmanager
+def ray_actor_queue(args: argparse.Namespace, mode: str) -> Iterator[tuple[Callable[[], TrainBatch], dict[str, Any]]]:
+    """A local Ray instance with one :class:`RayQueue` actor and ``args.workers`` :class:`RayProducer` actors.
+
+    Yields ``next_batch`` (``batch_size`` × ``ray.get(queue.get.remote())``, then ``collate_counting``) and
+    ``info`` (``producer_pids``; ``other_pids``: the queue actor and Ray's node processes, for CPU accounting;
+    after exit ``leftover_pids``: Ray processes still alive after ``ray.shutdown()``, killed by pid).
+    Raises :class:`PathSkipped` if Ray is not importable.
+    """
+    try:
+        import ray
+    except ImportError as e:
+        raise PathSkipped(f"ray is not importable ({e}); pip install '.[bench]'") from e
+    if ray.is_initialized():
+        raise RuntimeError("a Ray instance is already initialized in this process; the ray paths start their own")
+    mod = importable_self()
+    info: dict[str, Any] = {"producer_pids": [], "other_pids": {}, "leftover_pids": []}
+    watched: list[int] = []
+    ray.init(address="local", num_cpus=args.workers + 2, include_dashboard=False, log_to_driver=False,
+             ignore_reinit_error=True, configure_logging=False)
+    try:
+        queue_cls = ray.remote(num_cpus=2, max_concurrency=20)(mod.RayQueue)  # verl's resources for MessageQueue
+        producer_cls = ray.remote(num_cpus=1)(mod.RayProducer)
+        queue = queue_cls.remote(args.capacity)
+        producers = [producer_cls.remote() for _ in range(args.workers)]
+        info["producer_pids"] = ray.get([p.pid.remote() for p in producers], timeout=120)
+        node_pids = ray_node_pids(ray)
+        info["other_pids"] = {"queue_actor": [ray.get(queue.pid.remote(), timeout=120)],
+                              **{f"ray_{kind}": pids for kind, pids in node_pids.items()}}
+        watched = [pid for pids in info["other_pids"].values() for pid in pids] + info["producer_pids"]
+        runs = [p.run.remote(rank, args.workers, args.prompts, mode, queue) for rank, p in enumerate(producers)]
+
+        def next_batch() -> TrainBatch:
+            items = [ray.get(queue.get.remote(), timeout=120) for _ in range(args.batch_size)]
+            if any(x is None for x in items):
+                raise RuntimeError("the Ray queue closed under the consumer")
+            return collate_counting([from_queue_item(x, mode) for x in items])
+
+        with warnings.catch_warnings():  # Ray hands numpy arrays out read-only; collate copies them anyway
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            yield next_batch, info
+        ray.get(queue.close.remote(), timeout=30)  # producers' next put returns False and run() returns
+        ready, _ = ray.wait(runs, num_returns=len(runs), timeout=30)
+        info["groups_put"] = sum(ray.get(ready)) if len(ready) == len(runs) else None
+    finally:
+        ray.shutdown()  # stops the actors, the raylet and the GCS this ray.init started
+        leftover = wait_gone(watched, timeout=15)
+        for pid in leftover:  # only pids this path's Ray instance started
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        info["leftover_pids"] = leftover
+        if leftover:
+            print(f"warning: Ray processes {leftover} outlived ray.shutdown(); killed", file=sys.stderr)
+
+
+def run_ray_actor(args: argparse.Namespace, *, mode: str) -> dict[str, Any]:
+    with ray_actor_queue(args, mode) as (next_batch, info):
+
+        def step() -> tuple[int, int]:
+            batch = next_batch()
+            return len(batch["uids"]), batch[PAYLOAD_BYTES_KEY]
+
+        step()  # warm-up: actor start-up and the first batch stay outside the clock
+        result = measure(step, args, RAY_PATHS[mode], info["producer_pids"], other_pids=info["other_pids"])
+    result["ray"] = {k: info.get(k) for k in ("groups_put", "leftover_pids")}
+    return result
+
+
 def stop_processes(procs: list[Any], stop: Any, timeout: float = 10.0) -> None:
     """Ends the processes this benchmark started: stop event and join, then terminate/kill by pid."""
     stop.set()
@@ -286,14 +497,20 @@ def cpu_seconds(pid: int, tid: int | None = None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def cpu_snapshot(producer_pids: list[int]) -> dict[str, float | None]:
-    """CPU seconds so far: all producers, this process, and each of its threads by name."""
+def cpu_snapshot(
+    producer_pids: list[int], other_pids: Mapping[str, list[int]] | None = None
+) -> dict[str, float | None]:
+    """CPU seconds so far: all producers, this process, each of its threads by name, and ``other:<name>``
+    for each group of other processes (a queue actor, Ray's node processes)."""
     me = os.getpid()
     producers = [cpu_seconds(pid) for pid in producer_pids]
     out: dict[str, float | None] = {
         "producers": None if None in producers else sum(producers),  # type: ignore[arg-type]
         "consumer_process": cpu_seconds(me),
     }
+    for name, pids in (other_pids or {}).items():
+        values = [cpu_seconds(pid) for pid in pids]
+        out[f"other:{name}"] = None if None in values else sum(values)  # type: ignore[arg-type]
     names = {t.native_id: t.name for t in threading.enumerate()}
     tids = sorted(int(t) for t in os.listdir(f"/proc/{me}/task")) if os.path.isdir(f"/proc/{me}/task") else []
     for tid in tids:
@@ -302,11 +519,12 @@ def cpu_snapshot(producer_pids: list[int]) -> dict[str, float | None]:
     return out
 
 
-def measure(step: Step, args: argparse.Namespace, name: str, producer_pids: list[int]) -> dict[str, Any]:
+def measure(step: Step, args: argparse.Namespace, name: str, producer_pids: list[int],
+            other_pids: Mapping[str, list[int]] | None = None) -> dict[str, Any]:
     """``--repeats`` back-to-back windows of ``--seconds``; ``step`` consumes one delivery."""
     windows, total_rollouts = [], 0
     load_before = os.getloadavg()[0]  # other load on the machine shows up here
-    cpu0 = cpu_snapshot(producer_pids)
+    cpu0 = cpu_snapshot(producer_pids, other_pids)
     bar = tqdm(total=args.repeats * args.seconds, desc=f"{name:>16}", leave=False, bar_format="{l_bar}{bar}| {postfix}")
     for _ in range(args.repeats):
         rollouts = nbytes = 0
@@ -324,7 +542,7 @@ def measure(step: Step, args: argparse.Namespace, name: str, producer_pids: list
                         "rollouts_per_s": rollouts / elapsed, "mb_per_s": nbytes / elapsed / MB})
         total_rollouts += rollouts
     bar.close()
-    cpu1 = cpu_snapshot(producer_pids)
+    cpu1 = cpu_snapshot(producer_pids, other_pids)
     cpu = {k: None if v is None or cpu1.get(k) is None else cpu1[k] - v for k, v in cpu0.items()}  # type: ignore
     result = summarize(windows, cpu, total_rollouts)
     result["loadavg_1min"] = {"before": load_before, "after": os.getloadavg()[0]}
@@ -455,23 +673,25 @@ def run_zmq(args: argparse.Namespace, *, mode: str) -> dict[str, Any]:
 
 MP_QUEUE_PATHS = {"objects": "mp_queue", "bytes": "mp_queue_bytes", "numpy": "mp_queue_numpy"}
 ZMQ_PATHS = {"raw": "zmq_raw", "nodecode": "zmq_raw_nodecode", "same_work": "zmq_same_work"}
+RAY_PATHS = {"objects": "ray_actor", "bytes": "ray_actor_bytes", "numpy": "ray_actor_numpy"}
 PATHS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "asyncrl": run_asyncrl,
     "asyncrl_slots16": partial(run_asyncrl, slots=16),
     **{name: partial(run_mp_queue, mode=mode) for mode, name in MP_QUEUE_PATHS.items()},
     **{name: partial(run_zmq, mode=mode) for mode, name in ZMQ_PATHS.items()},
+    **{name: partial(run_ray_actor, mode=mode) for mode, name in RAY_PATHS.items()},
 }
 
 
 # -- report --------------------------------------------------------------------------------------
 def ratios(metrics: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """``asyncrl / baseline`` of median rollouts/s, with the targets where one is set."""
-    if "asyncrl" not in metrics:
+    """``asyncrl / baseline`` of median rollouts/s, with the targets where one is set (skipped paths left out)."""
+    if "rollouts_per_s" not in metrics.get("asyncrl", {}):
         return {}
     ours = metrics["asyncrl"]["rollouts_per_s"]["median"]
     out = {}
     for name, m in metrics.items():
-        if name != "asyncrl":
+        if name != "asyncrl" and "rollouts_per_s" in m:
             key = f"asyncrl/{name}"
             value = ours / m["rollouts_per_s"]["median"]
             target = TARGETS.get(key)
@@ -491,6 +711,9 @@ def write_json(report: dict[str, Any], path: Path | None) -> Path:
 def print_table(report: dict[str, Any]) -> None:
     print(f"\n{'path':<18}{'rollouts/s median (min-max)':>32}{'MB/s median (min-max)':>28}")
     for name, m in report["metrics"].items():
+        if "skipped" in m:
+            print(f"{name:<18}{'skipped: ' + m['skipped']}")
+            continue
         r, b = m["rollouts_per_s"], m["mb_per_s"]
         rate = f"{r['median']:,.0f} ({r['min']:,.0f}-{r['max']:,.0f})"
         mbs = f"{b['median']:,.1f} ({b['min']:,.1f}-{b['max']:,.1f})"
@@ -532,7 +755,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     metrics = {}
     for name in args.paths:
-        metrics[name] = PATHS[name](args)
+        try:
+            metrics[name] = PATHS[name](args)
+        except PathSkipped as e:
+            metrics[name] = {"skipped": str(e)}
+            print(f"{name:>16}: skipped: {e}", flush=True)
+            continue
         m = metrics[name]["rollouts_per_s"]
         print(f"{name:>16}: {m['median']:,.0f} rollouts/s (min {m['min']:,.0f}, max {m['max']:,.0f})", flush=True)
     report = {"benchmark": "data_plane", "date": date, "config": config, "machine": machine(),
