@@ -380,6 +380,8 @@ class GRPORecipe:
                                                          cfg.train.grad_clip))
         accepted, reason, ratio = self._guarded_step(loss, grad_norm, snapshot)
         consumed_version = self.version
+        # before the publish: rollouts the gate rejects from here on were made with the new weights (next step's)
+        transport = self.loader.stats()["transport"] if self.debugger is not None else None
         weight_bytes = 0
         publish_s = 0.0
         if accepted:
@@ -396,7 +398,7 @@ class GRPORecipe:
                 step=self.step, policy_version=consumed_version, batch=batch, rewards=rewards,
                 trainer_logprobs=logp.detach(), advantages=advantages, accepted=accepted, guard_reason=reason,
                 loss=float(loss.detach()), grad_norm=grad_norm, update_ratio=ratio, weight_bytes=weight_bytes,
-                publish_s=publish_s, transport=self.loader.stats()["transport"], weights=lambda: snapshot[0],
+                publish_s=publish_s, transport=transport, weights=lambda: snapshot[0],
             )
             for a in record["anomalies"]:
                 print(f"[rank {self.rank}] step {self.step}: anomaly {a['kind']}: {a['detail']}"
