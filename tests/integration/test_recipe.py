@@ -82,6 +82,22 @@ def test_two_ranks_learn_on_disjoint_data(tmp_path):
     assert ranks[0].isdisjoint(ranks[1])
     assert (run / "report.png").stat().st_size > 0
     assert max(r["staleness_max"] for r in rows) == 0  # max_staleness=0
+    # the debugger on a healthy run: every step recorded on every rank, no detector fires, the report renders
+    from asyncrl.debug.record import read_records
+    from asyncrl.debug.report import write_report
+    from tests._synthetic_run import parse_page
+
+    for rank in (0, 1):
+        records = read_records(run / "debug" / f"steps-rank{rank}.jsonl")
+        assert [r["step"] for r in records] == list(range(1, 151))
+        assert max(max(abs(r["dist"]["logprob_diff_onpolicy"]["min"]), r["dist"]["logprob_diff_onpolicy"]["max"])
+                   for r in records) < 1e-4  # fp32 engine vs trainer, on-policy
+    anomalies = run / "debug" / "anomalies.jsonl"
+    assert not anomalies.exists() or not anomalies.read_text().strip(), anomalies.read_text()[:2000]
+    assert not (run / "dumps").exists()
+    sections, _ = parse_page(write_report(run).read_text())
+    assert {"summary", "curves", "staleness", "logprobs", "guard", "anomalies", "throughput"} <= set(sections)
+    assert "none" in sections["anomalies"].text.lower()
 
 
 def test_sigkill_and_resume_trains_each_group_once_with_identical_losses(tmp_path):
