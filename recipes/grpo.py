@@ -17,8 +17,9 @@ off-policy), k (fully async). Per step, on every rank::
 
 Outputs in ``run_dir``: ``metrics.jsonl`` (one line per step, rank 0), ``consumed-rank{r}.jsonl`` (the
 groups each rank trained on), ``checkpoints/step-N`` (model + optimizer via torch.distributed.checkpoint,
-loader state per rank, version, RNG, config; written to a temp dir and renamed), ``dumps/`` (rejected
-batches, msgpack), ``report.png`` (reward and staleness over steps).
+loader state per rank, version, RNG, config; written to a temp dir and renamed), ``dumps/`` (rejected and
+anomalous batches, msgpack), ``report.png`` (reward and staleness over steps), ``debug/`` (the debugger's per-step
+record and anomalies) and ``report/index.html`` (``asyncrl report``).
 """
 
 from __future__ import annotations
@@ -560,6 +561,9 @@ class GRPORecipe:
         if self.metrics_file is not None:
             self.metrics_file.close()
             plot(self.run_dir)
+            from asyncrl.debug.report import write_report
+
+            print(f"report: {write_report(self.run_dir)}", file=sys.stderr)
         dist.barrier()
         dist.destroy_process_group()
 
