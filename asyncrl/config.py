@@ -128,6 +128,9 @@ class WeightSyncConfig:
     """Transfer unit: bounds memory in flight per receiver."""
     wait_for_first_s: float = 60.0
     """A worker waits up to this long for the current weights before it generates (late joiners)."""
+    catch_up_s: float = 10.0
+    """A worker leased prompts at a newer policy version than its weights waits up to this long for that
+    version's weights before generating (then generates with what it has; the pool judges staleness)."""
 
 
 
@@ -198,6 +201,12 @@ class LoaderConfig:
     """Most groups leased + buffered at once for this rank: the memory bound and the backpressure knob."""
     max_buffer_bytes: int | None = None
     """Optional byte bound on buffered rollouts."""
+    lease_within_staleness: bool = True
+    """Lease only groups that can still be trained within ``max_staleness``: at most
+    ``(max_staleness + 1) * batch_size`` groups of the current step in flight (AReaL's staleness control),
+    so no generation is wasted on groups that would arrive too stale, and ``max_staleness=0`` is truly
+    synchronous. False: only ``capacity`` bounds generation; workers run ahead and stale groups are
+    dropped and regenerated (counted). Needs ``set_policy_version`` after every optimizer step."""
     ordered: bool = False
     """Yield groups in the ledger's (seeded) order rather than as they arrive: reproducible batches, at the
     cost of head-of-line blocking behind the slowest group."""

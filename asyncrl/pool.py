@@ -13,6 +13,14 @@ A group is buffered whole, in arrival order. ``take`` drops groups older than
 (counted, never silently lost). Capacity counts groups leased, partially received or buffered, so a
 stalled trainer stops lease grants and with them generation (backpressure). Everything the trainer
 has not yet received lives here and is part of :meth:`state_dict`.
+
+With ``groups_per_step`` (the trainer's batch, in groups) the pool also leases only what can still be
+trained fresh (AReaL's staleness control): at most ``(max_staleness + 1) * groups_per_step - taken``
+groups in flight, ``taken`` being the groups yielded for the current step. A group leased at version
+v is then consumed before the trainer passes v + max_staleness, so none is generated to be dropped;
+with ``max_staleness = 0`` generation waits for each new version (synchronous RL). A step ends at
+``set_policy_version(v' > v)``, or when the trainer asks for more than a step's groups without one
+(a rejected update).
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ class RolloutPool:
         ordered: yield groups in the ledger's order instead of arrival order (reproducible batches at the
             cost of head-of-line blocking; with ``max_staleness=0`` and per-request seeding a run is
             deterministic whatever the workers' timing).
+        groups_per_step: groups the trainer consumes per optimizer step; with ``max_staleness`` set, leases
+            are granted only for groups that can still be trained within it. None = capacity only.
     """
 
     STATE_VERSION = 1
@@ -54,6 +64,7 @@ class RolloutPool:
         max_staleness: int | None = None,
         max_buffer_bytes: int | None = None,
         ordered: bool = False,
+        groups_per_step: int | None = None,
     ):
         if group_size < 1:
             raise ValueError(f"{group_size=} must be >= 1")
@@ -67,6 +78,10 @@ class RolloutPool:
         self.max_staleness = max_staleness
         self.max_buffer_bytes = max_buffer_bytes
         self.ordered = ordered
+        if groups_per_step is not None and groups_per_step < 1:
+            raise ValueError(f"{groups_per_step=} must be >= 1 (or None)")
+        self.groups_per_step = groups_per_step if max_staleness is not None else None
+        self.step_taken = 0  # groups yielded for the trainer's current step
         self.cond = threading.Condition()
         self.policy_version = 0
         self.stats: collections.Counter[str] = collections.Counter()
@@ -146,7 +161,7 @@ class RolloutPool:
                     break
                 # a prompt with part of its group here already counts as in flight: finishing it is
                 # always allowed, or orphaned partial groups could fill the capacity for good
-                if index not in self._partial and self.groups_in_flight >= self.capacity:
+                if index not in self._partial and self.groups_in_flight >= min(self.capacity, self.fresh_budget):
                     break
                 if self.max_buffer_bytes is not None and self.buffered_bytes >= self.max_buffer_bytes:
                     break
@@ -155,6 +170,13 @@ class RolloutPool:
                 out.append(lease)
             self._update_peaks()
         return out
+
+    @property
+    def fresh_budget(self) -> float:
+        """Most groups in flight that can still be trained within ``max_staleness`` (inf: unbounded)."""
+        if self.groups_per_step is None:
+            return float("inf")
+        return (self.max_staleness + 1) * self.groups_per_step - self.step_taken
 
     def release(self, lease_id: int, reason: str) -> None:
         with self.cond:
@@ -199,6 +221,8 @@ class RolloutPool:
         """
         deadline = time.monotonic() + timeout
         with self.cond:
+            if self.groups_per_step is not None and self.step_taken >= self.groups_per_step:
+                self.step_taken = 0  # a new step at the same version (the last update was rejected)
             while True:
                 if self._error is not None:
                     raise RuntimeError("rollout receiver failed") from self._error
@@ -216,6 +240,7 @@ class RolloutPool:
                         continue
                     self.ledger.consume(index)
                     self.stats["groups_yielded"] += 1
+                    self.step_taken += 1
                     return group
                 if self.ledger.epoch_done:
                     raise StopIteration
@@ -236,6 +261,8 @@ class RolloutPool:
         """
         with self.cond:
             check_policy_version(version, self.policy_version)
+            if version > self.policy_version:
+                self.step_taken = 0
             self.policy_version = version
             for index in [i for i, g in self._ready.items() if is_stale(g.policy_version, version, self.max_staleness)]:
                 self.buffered_bytes -= self._ready.pop(index).nbytes
@@ -263,6 +290,7 @@ class RolloutPool:
                 "ready": [g.to_wire() for g in self._ready.values()],
                 "partial": [r.to_wire() for part in self._partial.values() for r in part.values()],
                 "stats": dict(self.stats),
+                "step_taken": self.step_taken,
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -291,5 +319,6 @@ class RolloutPool:
                 r.nbytes for part in self._partial.values() for r in part.values()
             )
             self.stats = collections.Counter(state["stats"])
+            self.step_taken = state.get("step_taken", 0)
             self.active = True
             self.cond.notify_all()

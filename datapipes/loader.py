@@ -95,6 +95,7 @@ class RolloutLoader(Loader[TrainBatch]):
             max_staleness=config.max_staleness,
             max_buffer_bytes=config.max_buffer_bytes,
             ordered=config.ordered,
+            groups_per_step=config.batch_size if config.lease_within_staleness else None,
         )
         self.receiver: RolloutReceiver = setup_rollout_receiver(
             config.transport, self.pool, prompts.__getitem__, rank=rank, world_size=world_size

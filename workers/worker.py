@@ -65,6 +65,7 @@ class RolloutWorker:
         environment: type[Environment] | None = None,
         interrupt_every_tokens: int = 0,
         fault: FaultConfig | None = None,
+        catch_up_s: float = 10.0,
     ):
         self.worker_id = worker_id
         self.engine = engine
@@ -76,6 +77,7 @@ class RolloutWorker:
         self.environment = environment
         self.interrupt_every_tokens = interrupt_every_tokens
         self.fault = fault or FaultConfig()
+        self.catch_up_s = catch_up_s
         self.groups_sent = 0
         self.rollouts_sent = 0
         self.tokens_generated = 0
@@ -141,10 +143,16 @@ class RolloutWorker:
 
     def step(self, leases: Sequence[ReceivedLease]) -> None:
         """Generates, rewards and sends one batch of leases."""
+        newest = max(lease.policy_version for lease in leases)
         if self.engine.follows_pool_version:
-            newest = max(lease.policy_version for lease in leases)
             if newest > self.engine.policy_version:
                 self.engine.set_policy_version(newest)
+        elif self.weights is not None and newest > self.engine.policy_version:
+            # leased at a version this worker has not loaded yet: catch up first, or the groups would
+            # be generated only to arrive stale
+            update = self.weights.wait(newest, timeout=self.catch_up_s)
+            if update is not None:
+                self.apply_staged_weights(update)
         requests = [
             GenerationRequest(epoch=lease.epoch, prompt_index=lease.prompt_index, prompt=lease.prompt, n=lease.group_size)
             for lease in leases
@@ -247,6 +255,7 @@ def run_worker(
         environment=environment,
         interrupt_every_tokens=config.interrupt_every_tokens,
         fault=config.fault,
+        catch_up_s=config.weights.catch_up_s,
     )
     if receiver is not None:  # a late joiner starts from the current weights, not the initial ones
         first = receiver.wait(0, timeout=config.weights.wait_for_first_s)

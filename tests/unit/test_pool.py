@@ -802,3 +802,53 @@ def test_ordered_pool_yields_in_ledger_order_whatever_the_arrival_order():
     first, second, _ = pool.grant("w0", 3, now=0.0)
     pool.add_rollouts(make_group(0, second.prompt_index, 2, 0).rollouts, lease_id=second.lease_id)
     assert pool.take(0.05) is None, "the head of the order has not arrived: nothing may overtake it"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# leasing within the staleness bound (groups_per_step)
+
+
+def fresh_pool(max_staleness: int | None, groups_per_step: int = 2, capacity: int = 16) -> RolloutPool:
+    pool = RolloutPool(PromptLedger(64, seed=0), group_size=2, capacity=capacity, max_staleness=max_staleness,
+                       groups_per_step=groups_per_step)
+    pool.start_epoch(0)
+    return pool
+
+
+def test_synchronous_pool_leases_one_step_at_a_time():
+    pool = fresh_pool(max_staleness=0, groups_per_step=2)
+    leases = pool.grant("w", 8)
+    assert len(leases) == 2  # one step's groups, not the capacity's 16
+    for lease in leases:
+        deliver(pool, lease)
+    assert [pool.take(0) is not None for _ in range(2)] == [True, True]
+    assert pool.grant("w", 8) == []  # training on version 0: anything leased now would arrive stale
+    pool.set_policy_version(1)
+    assert len(pool.grant("w", 8)) == 2
+
+
+def test_rejected_update_does_not_deadlock_the_synchronous_pool():
+    pool = fresh_pool(max_staleness=0, groups_per_step=2)
+    for lease in pool.grant("w", 8):
+        deliver(pool, lease)
+    pool.take(0), pool.take(0)
+    assert pool.grant("w", 8) == []
+    assert pool.take(0) is None  # the next step starts at the same version (update rejected) ...
+    assert len(pool.grant("w", 8)) == 2  # ... and may lease its groups
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_k_step_pool_keeps_in_flight_within_the_bound_and_nothing_goes_stale(k):
+    pool = fresh_pool(max_staleness=k, groups_per_step=2)
+    for step in range(10):
+        for lease in pool.grant("w", 64):
+            deliver(pool, lease)  # stamped with the version at grant time, as a worker that caught up
+        assert pool.groups_in_flight <= (k + 1) * 2
+        assert pool.take(0) is not None and pool.take(0) is not None
+        pool.set_policy_version(step + 1)
+    assert pool.stats["stale_dropped"] == 0
+
+
+def test_unbounded_staleness_ignores_groups_per_step():
+    pool = fresh_pool(max_staleness=None, groups_per_step=2, capacity=6)
+    assert len(pool.grant("w", 64)) == 6
