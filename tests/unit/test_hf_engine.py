@@ -18,7 +18,7 @@ from asyncrl.rollout import Group, Rollout
 from asyncrl.weights.base import WeightUpdate
 from datapipes.collate import collate_groups
 from workers.engines.base import Completion, GenerationRequest, build_engine
-from workers.engines.hf import HFEngine
+from workers.engines.hf import HFEngine, length_targets
 from workers.tiny_model import build_tiny_model
 from tests.engine_utils import PROMPTS, SAMPLING, TOL, collate, load_model, lora_update, max_logprob_diff
 
@@ -201,6 +201,56 @@ def test_prompts_and_seeding(model_dir):
     assert first[1][0].prompt_ids.tolist() == PROMPTS[1]["prompt_ids"]
     with pytest.raises(ValueError, match="'prompt_ids' or 'text'"):
         a.generate([GenerationRequest(epoch=0, prompt_index=0, prompt={"other": 1}, n=1)])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# ignore_eos and long-tailed lengths (benchmark workloads)
+
+LONG_TAIL = dict(ignore_eos=True, length_tail=1.0, length_median=6, min_new_tokens=2, max_new_tokens=24)
+
+
+def test_length_targets_are_lognormal_clipped_and_seeded():
+    config = EngineConfig(type="hf", model="unused", seed=3, **LONG_TAIL)
+    requests = [GenerationRequest(epoch=0, prompt_index=i, prompt="x", n=4) for i in range(500)]
+    lengths = [t for r in requests for t in length_targets(config, r, 24)]
+    assert min(lengths) == 2 and max(lengths) == 24  # both clips are hit with sigma 1
+    assert 5 <= sorted(lengths)[len(lengths) // 2] <= 7  # the median
+    assert length_targets(config, requests[7], 24) == length_targets(config, requests[7], 24)  # regenerated: same
+    assert length_targets(config, requests[7], 10) == [min(t, 10) for t in length_targets(config, requests[7], 24)]
+    chunk = GenerationRequest(epoch=0, prompt_index=0, prompt="x", n=2, max_new_tokens=5)
+    assert length_targets(config, chunk, 5) == [5, 5]  # a chunk of an interruptible generation runs to its limit
+    flat = EngineConfig(type="hf", model="unused", ignore_eos=True, max_new_tokens=24)
+    assert length_targets(flat, requests[0], 24) == [24] * 4
+
+
+@pytest.mark.parametrize("sampling", [SAMPLING, dict(temperature=1.0, top_k=0, top_p=1.0)], ids=["warped", "plain"])
+def test_ignore_eos_lengths_follow_targets_and_logprobs_align(model_dir, sampling):
+    stop = list(range(3, 40))  # many stop tokens, so that most responses run past one
+    engine = make_engine(model_dir, stop_token_ids=stop, **LONG_TAIL, **sampling)
+    requests = [GenerationRequest(epoch=1, prompt_index=i, prompt=p, n=4) for i, p in enumerate(PROMPTS)]
+    completions = engine.generate(requests)
+    stops = set(stop) | {EOS}
+    cut = 0
+    for r, cs in zip(requests, completions):
+        assert [c.response_ids.numel() for c in cs] == length_targets(engine.config, r, 24)
+        for c in cs:
+            ids = c.response_ids.tolist()
+            end = next((t for t, tok in enumerate(ids) if tok in stops), len(ids))
+            assert c.finish_reason == "length" and c.logprobs.shape == c.response_ids.shape
+            assert c.text == engine.decode(ids[:end])  # rewards see the answer, not what follows the EOS
+            cut += end < len(ids) - 1
+    assert cut >= 3, "expected responses that run on past a stop token"
+    assert len({c.response_ids.numel() for cs in completions for c in cs}) >= 4
+    diff = max_logprob_diff(engine.model, completions, **sampling)
+    print(f"max |dlogp| with ignore_eos ({sampling}) = {diff:.3e}")
+    assert diff <= TOL
+
+
+def test_ignore_eos_without_tail_runs_to_the_limit(model_dir):
+    engine = make_engine(model_dir, ignore_eos=True, max_new_tokens=10, stop_token_ids=list(range(3, 40)))
+    completions = [c for cs in generate(engine) for c in cs]
+    assert all(c.response_ids.numel() == 10 and c.finish_reason == "length" for c in completions)
+    assert max_logprob_diff(engine.model, [completions], **SAMPLING) <= TOL
 
 
 @pytest.mark.gpu

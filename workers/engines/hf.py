@@ -11,6 +11,13 @@ Sampling is reproducible: call ``i`` of an engine seeds ``(config.seed, i)`` ins
 so the process-wide RNG is left alone. Weights: a ``full`` update loads a state dict (HF names,
 strict, dropping any adapter); a ``lora`` update wraps the model with peft on first use and loads the
 adapter state dict (the LoRA config is fixed from then on).
+
+Long-tailed workloads (benchmarks): with ``engine.ignore_eos`` no stop token (EOS or
+``stop_token_ids``) ends a response. Each response then has a target length: drawn from the lognormal
+of ``engine.length_tail`` (see :func:`length_targets`) or, with ``length_tail = 0``, the token limit.
+The batch is generated to its longest target and each row is cut to its own (finish reason
+``length``); the sampling distribution, and so the per-token logprobs, are exactly those of a normal
+call. ``Completion.text`` is the text up to the first stop token, so rewards still score the answer.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import torch
 from asyncrl.config import EngineConfig
 from workers.engines.base import Completion, Engine, GenerationRequest, prompt_token_ids
 
-__all__ = ["HFEngine"]
+__all__ = ["HFEngine", "length_targets"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +43,34 @@ def _listed(keys: set[str]) -> str:
     names = sorted(keys)
     more = f" (+{len(names) - _MAX_LISTED} more)" if len(names) > _MAX_LISTED else ""
     return f"{names[:_MAX_LISTED]}{more}"
+
+
+def length_targets(config: EngineConfig, request: GenerationRequest, limit: int) -> list[int]:
+    """Response lengths of a request's ``n`` samples when ``config.ignore_eos`` is set.
+
+    With ``length_tail > 0``, sample ``s`` draws from a lognormal with median ``length_median`` (None:
+    ``2 * min_new_tokens``) and sigma ``length_tail``, seeded by ``(seed, epoch, prompt_index, s)``, so a
+    regenerated group has the same lengths; clipped to ``[max(min_new_tokens, 1), limit]``. Otherwise every
+    sample runs to ``limit``. A request with its own ``max_new_tokens`` (a chunk of an interruptible
+    generation) runs to that limit: the chunks together reach ``max_new_tokens``.
+
+    Args:
+        config: the engine config.
+        request: the request whose samples need lengths.
+        limit: the most new tokens of this call.
+
+    Returns:
+        ``request.n`` target lengths in ``[1, limit]``.
+    """
+    if config.length_tail <= 0 or request.max_new_tokens is not None:
+        return [limit] * request.n
+    median = config.length_median or max(config.min_new_tokens, 1) * 2
+    low = min(max(config.min_new_tokens, 1), limit)
+    out = []
+    for s in range(request.n):
+        rng = np.random.default_rng([config.seed, request.epoch, request.prompt_index, s])
+        out.append(int(np.clip(rng.lognormal(np.log(median), config.length_tail), low, limit)))
+    return out
 
 
 class HFEngine(Engine):
@@ -56,8 +91,11 @@ class HFEngine(Engine):
             raise ValueError(f"tokenizer of {config.model!r} has no eos token; set engine.stop_token_ids")
         self.stop_ids = list(dict.fromkeys(([eos] if eos is not None else []) + list(config.stop_token_ids)))
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
+        # With ignore_eos the blank config has no EOS either: generate fills unset values from it.
         self.model.generation_config = GenerationConfig(
-            bos_token_id=self.tokenizer.bos_token_id, eos_token_id=self.stop_ids, pad_token_id=self.pad_id
+            bos_token_id=self.tokenizer.bos_token_id,
+            eos_token_id=None if config.ignore_eos else self.stop_ids,
+            pad_token_id=self.pad_id,
         )
         self._base_shapes = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
         self.policy_version = 0
@@ -104,8 +142,14 @@ class HFEngine(Engine):
         limits = {r.max_new_tokens or self.config.max_new_tokens for r in requests}
         if len(limits) != 1:
             raise ValueError(f"one generate call needs one max_new_tokens, got {sorted(limits)}")
-        seqs, scores = self._sample(input_ids.to(self.device), attention_mask.to(self.device), limits.pop(), seed)
-        completions = [self._completion(p, seqs[i, width:], scores[i]) for i, p in enumerate(rows)]
+        limit = limits.pop()
+        if self.config.ignore_eos:
+            targets = [t for r in requests for t in length_targets(self.config, r, limit)]
+            limit = max(targets)
+        else:
+            targets = [None] * len(rows)
+        seqs, scores = self._sample(input_ids.to(self.device), attention_mask.to(self.device), limit, seed)
+        completions = [self._completion(p, seqs[i, width:], scores[i], targets[i]) for i, p in enumerate(rows)]
         out, start = [], 0
         for r in requests:
             out.append(completions[start : start + r.n])
@@ -132,10 +176,10 @@ class HFEngine(Engine):
                 top_k=c.top_k,
                 top_p=c.top_p,
                 max_new_tokens=max_new_tokens,
-                eos_token_id=self.stop_ids,
                 pad_token_id=self.pad_id,
                 return_dict_in_generate=True,
                 output_scores=True,
+                eos_token_id=None if c.ignore_eos else self.stop_ids,
             )
         new = out.sequences[:, input_ids.shape[1] :]
         # One step at a time: a [N, T, V] log-softmax would double the memory generate already holds.
@@ -143,17 +187,27 @@ class HFEngine(Engine):
         logprobs = torch.cat(steps, dim=1)
         return out.sequences.cpu(), logprobs.cpu()
 
-    def _completion(self, prompt_ids: torch.Tensor, new: torch.Tensor, logprobs: torch.Tensor) -> Completion:
+    def _completion(
+        self, prompt_ids: torch.Tensor, new: torch.Tensor, logprobs: torch.Tensor, target: int | None = None
+    ) -> Completion:
+        """One row of ``generate``'s output: cut after the first stop token, or at ``target`` (``ignore_eos``)."""
         stops = torch.isin(new, torch.tensor(self.stop_ids, dtype=new.dtype)).nonzero()
-        length = int(stops[0, 0]) + 1 if stops.numel() else new.numel()
+        first_stop = int(stops[0, 0]) if stops.numel() else None
+        if target is not None:
+            length, finish = target, "length"
+            text_end = length if first_stop is None else min(first_stop, length)
+        else:
+            length = first_stop + 1 if first_stop is not None else new.numel()
+            finish = "stop" if first_stop is not None else "length"
+            text_end = length
         response = new[:length].to(torch.int32)
         return Completion(
             prompt_ids=prompt_ids,
             response_ids=response,
             logprobs=logprobs[:length].to(torch.float32),
-            finish_reason="stop" if stops.numel() else "length",
+            finish_reason=finish,
             policy_version=self.policy_version,
-            text=self.decode(response),
+            text=self.decode(response[:text_end]),
         )
 
     def encode(self, text: str) -> list[int]:

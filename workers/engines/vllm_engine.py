@@ -11,6 +11,12 @@ each update the engine labels vLLM's weights with the policy version (``update_w
 so every output reports per-token ``weight_versions`` spans and the rollout's version is read
 from vLLM, not assumed. The engine runs in-process by default (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
 ~3 s start-up instead of ~25 s for a tiny model on CPU).
+
+Long-tailed workloads (benchmarks): with ``engine.ignore_eos`` no stop token ends a response
+(``SamplingParams(ignore_eos=True)``, no ``stop_token_ids``) and each sample becomes a request of its own
+with ``max_tokens`` = its target length from :func:`workers.engines.hf.length_targets` (the same
+lognormal draw, seeded by ``(seed, epoch, prompt_index, sample)``). The sampling distribution is
+unchanged; ``Completion.text`` is the text up to the first stop token, so rewards still score the answer.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 
 from asyncrl.config import EngineConfig
 from workers.engines.base import Completion, Engine, GenerationRequest, prompt_token_ids
+from workers.engines.hf import length_targets
 
 __all__ = ["VLLMEngine"]
 
@@ -66,6 +73,7 @@ class VLLMEngine(Engine):
             **lora,
         )
         self.tokenizer = self.llm.get_tokenizer()
+        self._stop_ids = {*config.stop_token_ids, self.tokenizer.eos_token_id} - {None}
         self.policy_version = 0
         self.llm.update_weight_version("0")
         self._lora_dir: Path | None = None
@@ -84,7 +92,8 @@ class VLLMEngine(Engine):
             top_p=c.top_p,
             top_k=c.top_k,
             max_tokens=max_new_tokens or c.max_new_tokens,
-            stop_token_ids=list(c.stop_token_ids),
+            stop_token_ids=[] if c.ignore_eos else list(c.stop_token_ids),
+            ignore_eos=c.ignore_eos,
             logprobs=0,
             seed=seed,
         )
@@ -94,15 +103,26 @@ class VLLMEngine(Engine):
 
         self._calls += 1
         prompts = [self._prompt_ids(r.prompt) for r in requests]
-        params = [
-            self._sampling(r.n, hash((self.config.seed, self._calls, i)) & 0x7FFFFFFF, r.max_new_tokens)
-            for i, r in enumerate(requests)
-        ]
+        if self.config.ignore_eos:  # one vLLM request per sample, each with its own length
+            limits = [r.max_new_tokens or self.config.max_new_tokens for r in requests]
+            jobs = [
+                (i, self._sampling(1, hash((self.config.seed, self._calls, i, s)) & 0x7FFFFFFF, target))
+                for i, r in enumerate(requests)
+                for s, target in enumerate(length_targets(self.config, r, limits[i]))
+            ]
+        else:
+            jobs = [
+                (i, self._sampling(r.n, hash((self.config.seed, self._calls, i)) & 0x7FFFFFFF, r.max_new_tokens))
+                for i, r in enumerate(requests)
+            ]
         lora = LoRARequest(LORA_NAME, 1, str(self._lora_dir), load_inplace=True) if self._lora_dir else None
         outputs = self.llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], params, lora_request=lora, use_tqdm=False
+            [{"prompt_token_ids": prompts[i]} for i, _ in jobs], [p for _, p in jobs], lora_request=lora, use_tqdm=False
         )
-        return [[self._completion(ids, c) for c in out.outputs] for ids, out in zip(prompts, outputs)]
+        out: list[list[Completion]] = [[] for _ in requests]
+        for (i, _), output in zip(jobs, outputs):
+            out[i] += [self._completion(prompts[i], c) for c in output.outputs]
+        return out
 
     def _completion(self, prompt_ids: list[int], c: Any) -> Completion:
         response = list(c.token_ids)
@@ -110,6 +130,10 @@ class VLLMEngine(Engine):
         spans = [(int(s.version), s.start, s.end) for s in (c.weight_versions or [])]
         if not spans or spans[-1][2] != len(response):
             spans = [(self.policy_version, 0, len(response))]
+        text = c.text
+        if self.config.ignore_eos:  # the text a reward should see: up to the first stop token
+            end = next((t for t, tok in enumerate(response) if tok in self._stop_ids), len(response))
+            text = self.decode(response[:end])
         return Completion(
             prompt_ids=torch.tensor(prompt_ids, dtype=torch.int32),
             response_ids=torch.tensor(response, dtype=torch.int32),
@@ -117,7 +141,7 @@ class VLLMEngine(Engine):
             finish_reason=c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop",
             policy_version=min(v for v, _, _ in spans),
             version_spans=spans if len(spans) > 1 else [],
-            text=c.text,
+            text=text,
         )
 
     def encode(self, text: str) -> list[int]:
