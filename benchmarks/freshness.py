@@ -705,11 +705,11 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("simulated", parents=[common], help="benchmarks.freshness_sim: time-modelled engines/trainer")
     s.add_argument("--workers", type=_ints, default=[4, 16, 64])
     s.add_argument("--calibrate", type=Path, default=None, help="a measured results JSON (its 'calibration')")
-    s.add_argument("--tokens-per-s", type=float, default=None, help="generation tokens/s per busy worker")
+    s.add_argument("--tokens-per-s", type=float, default=None, help="decode tokens/s of one sequence in a statically batched engine call (a call takes longest row / this)")
     s.add_argument("--train-s-per-token", type=float, default=None)
     s.add_argument("--sync-s-per-byte", type=float, default=None)
     s.add_argument("--weight-bytes", type=int, default=None)
-    s.add_argument("--time-scale", type=float, default=None, help="wall seconds per modelled second")
+    s.add_argument("--time-scale", type=float, default=None, help="modelled seconds per wall second: modelled durations are slept divided by this")
     s.add_argument("--group-size", type=int, default=None)
     s.add_argument("--batch-size", type=int, default=None, help="groups per step")
     s.add_argument("--sim", action="extend", nargs="+", default=[], metavar="FIELD=VALUE",

@@ -25,6 +25,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 import torch
 
@@ -45,26 +46,33 @@ FIXED_EDGES: dict[str, list[float]] = {
 
 def summarize(values: torch.Tensor, edges: list[float] | None = None) -> dict[str, Any]:
     """A bounded summary of a 1-d sample: ``n`` (finite values), ``nonfinite``, mean/std/min/max,
-    quantiles ``q`` and a histogram (``edges`` given, or 16 equal bins over this sample's range)."""
-    x = values.detach().reshape(-1).double().cpu()
-    finite = torch.isfinite(x)
-    nonfinite = int((~finite).sum())
-    x = x[finite]
-    n = int(x.numel())
+    quantiles ``q`` and a histogram (``edges`` given, or 16 equal bins over this sample's range).
+
+    Everything is exact: one sort of the finite values gives the quantiles (linear interpolation, as
+    ``numpy.percentile``) and the histogram (bin edges located in the sorted values).
+    """
+    x = values.detach().reshape(-1).float().cpu().numpy()
+    finite = np.isfinite(x)
+    nonfinite = int(x.size - np.count_nonzero(finite))
+    xs = np.sort(x[finite] if nonfinite else x)
+    n = int(xs.size)
     if n == 0:
         return {"n": 0, "nonfinite": nonfinite, "mean": None, "std": None, "min": None, "max": None,
                 "q": {str(q): None for q in QUANTILES}, "hist": {"edges": edges or [], "counts": [0] * (len(edges or []) + 1)}}
-    qs = torch.quantile(x, torch.tensor([q / 100 for q in QUANTILES], dtype=torch.float64)).tolist()
-    lo, hi = float(x.min()), float(x.max())
+    pos = np.asarray(QUANTILES, dtype=np.float64) / 100 * (n - 1)
+    below = np.floor(pos).astype(np.int64)
+    above = np.minimum(below + 1, n - 1)
+    qs = (xs[below] + (pos - below) * (xs[above].astype(np.float64) - xs[below])).tolist()
+    lo, hi = float(xs[0]), float(xs[-1])
     if edges is None:
-        edges = torch.linspace(lo, hi, PER_STEP_BINS + 1).tolist()[1:-1] if hi > lo else [lo]
-    bins = torch.bucketize(x, torch.tensor(edges, dtype=torch.float64), right=True)
-    counts = torch.bincount(bins, minlength=len(edges) + 1).tolist()
+        edges = np.linspace(lo, hi, PER_STEP_BINS + 1)[1:-1].tolist() if hi > lo else [lo]
+    cuts = np.searchsorted(xs, np.asarray(edges, dtype=np.float32), side="left")
+    counts = np.diff(np.concatenate([[0], cuts, [n]])).tolist()
     return {
         "n": n,
         "nonfinite": nonfinite,
-        "mean": float(x.mean()),
-        "std": float(x.std()) if n > 1 else 0.0,
+        "mean": float(xs.mean(dtype=np.float64)),
+        "std": float(xs.std(dtype=np.float64, ddof=1)) if n > 1 else 0.0,
         "min": lo,
         "max": hi,
         "q": {str(q): v for q, v in zip(QUANTILES, qs)},

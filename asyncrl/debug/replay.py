@@ -52,19 +52,13 @@ class _Weights:
     def __init__(self, model_dir: str, batch: dict[str, torch.Tensor], sampling: dict[str, Any]):
         self.model_dir, self.batch, self.sampling = model_dir, batch, sampling
         self.cache: dict[Path, torch.Tensor] = {}
-        self.model = None
 
     def logprobs(self, checkpoint: Path) -> torch.Tensor:
         if checkpoint not in self.cache:
-            import torch.distributed.checkpoint as dcp
-            from transformers import AutoModelForCausalLM
+            from asyncrl.debug.align import load_policy  # full or LoRA recipe checkpoints
 
-            if self.model is None:
-                self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
-            state = {"model": self.model.state_dict()}
-            dcp.load(state, checkpoint_id=str(checkpoint))
-            self.model.load_state_dict(state["model"])
-            self.cache[checkpoint] = token_logprobs(self.model, self.batch["input_ids"].long(),
+            model = load_policy(self.model_dir, str(checkpoint), torch.float32)
+            self.cache[checkpoint] = token_logprobs(model, self.batch["input_ids"].long(),
                                                     self.batch["attention_mask"], **self.sampling)
         return self.cache[checkpoint]
 
