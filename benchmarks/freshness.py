@@ -280,7 +280,9 @@ def summarize(runs: dict[tuple[int, int], list[dict[str, Any]]]) -> list[dict[st
 
     ``speedup`` divides a point's median rollouts/s by the ``max_staleness = 0`` point's with the same
     worker count (None without one); ``speedup_paired`` has median/min/max of the per-repeat ratios;
-    ``efficiency_uncontended`` divides by that point's min(G, T) instead of this point's."""
+    ``efficiency_uncontended`` divides by that point's min(G, T) instead of this point's;
+    ``window_bound`` = min(G, T, (k + 1) x the synchronous point's rollouts/s) (the staleness window: k + 1
+    steps' groups in flight, each back after a whole engine call) and ``efficiency_window`` divides by it."""
     points = []
     for (k, w), reps in sorted(runs.items()):
         metrics = {name: _stats(r[name] for r in reps) for name in SCALARS}
@@ -307,6 +309,11 @@ def summarize(runs: dict[tuple[int, int], list[dict[str, Any]]]) -> list[dict[st
         # machine to itself: the bound that matters where they share cores (see the module docstring)
         sync_bound = ref["metrics"]["bound"]["median"] if ref else None
         p["efficiency_uncontended"] = rate / sync_bound if sync_bound else None
+        # the staleness window: at most k + 1 steps' groups in flight, each back after a whole engine call, so
+        # k + 1 steps per synchronous cycle at best: min(G, T, (k + 1) x the k = 0 throughput)
+        window = (p["max_staleness"] + 1) * ref["metrics"]["rollouts_per_s"]["median"] if ref else None
+        p["window_bound"] = min(p["metrics"]["bound"]["median"], window) if window else None
+        p["efficiency_window"] = rate / p["window_bound"] if p["window_bound"] else None
     return points
 
 
