@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import zmq
 
 from benchmarks._report import machine
 from asyncrl.weights import WeightBroadcaster, setup_weight_broadcaster, setup_weight_receiver
@@ -262,7 +261,7 @@ def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 def print_table(report: dict[str, Any]) -> None:
     paths = list(report["metrics"])
-    print(f"\nend to end, publish -> all staged: GB/s median | latency ms median")
+    print("\nend to end, publish -> all staged: GB/s median | latency ms median")
     print(f"{'size':<9}{'bytes':>14}" + "".join(f"{p:>18}" for p in paths))
     for size in report["sizes"]:
         row = f"{size:<9}{report['bytes'][size]:>14,}"

@@ -9,7 +9,6 @@ from that state. Rank 0 writes what every rank consumed.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch.distributed as dist

@@ -14,13 +14,11 @@ import torch
 
 from asyncrl.config import EngineConfig
 from asyncrl.logprobs import sampling_logprobs, token_logprobs
-from asyncrl.rollout import Group, Rollout
 from asyncrl.weights.base import WeightUpdate
-from datapipes.collate import collate_groups
 from workers.engines.base import Completion, GenerationRequest, build_engine
 from workers.engines.hf import HFEngine, length_targets
 from workers.tiny_model import build_tiny_model
-from tests.engine_utils import PROMPTS, SAMPLING, TOL, collate, load_model, lora_update, max_logprob_diff
+from tests.engine_utils import PROMPTS, SAMPLING, TOL, load_model, lora_update, max_logprob_diff
 
 EOS = 2
 

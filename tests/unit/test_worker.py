@@ -4,7 +4,6 @@ the real HF engine: partial rollouts across a weight update, multi-turn environm
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import pytest
 import torch
