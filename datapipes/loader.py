@@ -175,6 +175,10 @@ class RolloutLoader(Loader[TrainBatch]):
             "transport": self.receiver.stats(),
         }
 
+    def rejected_rollouts(self) -> list[dict[str, Any]]:
+        """The last few rollouts the gate refused, as received (``RolloutReceiver.rejected_rollouts``)."""
+        return self.receiver.rejected_rollouts()
+
     def close(self) -> None:
         """Stops the receiver (workers are told to shut down) and ends local workers."""
         self._finalizer()

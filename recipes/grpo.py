@@ -382,7 +382,8 @@ class GRPORecipe:
         accepted, reason, ratio = self._guarded_step(loss, grad_norm, snapshot)
         consumed_version = self.version
         # before the publish: rollouts the gate rejects from here on were made with the new weights (next step's)
-        transport = self.loader.stats()["transport"] if self.debugger is not None else None
+        transport = (self.loader.stats()["transport"] | {"rejected_rollouts": self.loader.rejected_rollouts()}
+                     if self.debugger is not None else None)
         weight_bytes = 0
         publish_s = 0.0
         if accepted:

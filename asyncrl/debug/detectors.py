@@ -229,7 +229,8 @@ class Debugger:
         """Records the step, runs the detectors and dumps the batch if any fired; returns the record.
 
         Args:
-            transport: the loader's transport stats (``loader.stats()["transport"]``), for ``rejected_rollouts``.
+            transport: the loader's transport stats (``loader.stats()["transport"]``), for ``rejected_rollouts``;
+                with ``"rejected_rollouts": loader.rejected_rollouts()`` the refused rollouts go into the dump.
             weights: returns the parameters the batch was scored with (checksummed only for a dump).
         """
         record = step_record(step=step, rank=self.rank, policy_version=policy_version, batch=batch,
@@ -239,7 +240,8 @@ class Debugger:
         gate = None
         if transport is not None:
             bad = int(transport.get("bad_messages", 0))
-            gate = {"bad_messages_delta": bad - self._bad_messages, "recent_errors": transport.get("recent_errors", [])}
+            gate = {"bad_messages_delta": bad - self._bad_messages, "recent_errors": transport.get("recent_errors", []),
+                    "rejected_rollouts": transport.get("rejected_rollouts", [])}
             self._bad_messages = bad
             record["bad_messages"] = gate["bad_messages_delta"]
         anomalies = self.detectors.check(record, gate)

@@ -212,9 +212,11 @@ def _diagnose(body, b, rollout, trainer, mask, bad, rows_version, workers, weigh
     gate = body.get("gate") or {}
     if gate.get("bad_messages_delta"):
         errors = [f"{w}: {e}" for w, e in gate.get("recent_errors", [])[-5:]]
-        return {"cause": "rejected_at_gate", "errors": errors, "explanation": (
+        refused = [_refused(r) for r in gate.get("rejected_rollouts", [])]
+        return {"cause": "rejected_at_gate", "errors": errors, "refused": refused, "explanation": (
             f"the batch itself is consistent, but the pool rejected {gate['bad_messages_delta']} message(s) "
-            f"during this step; most recent: {errors}")}
+            f"during this step; most recent: {errors}"
+            + ("; refused rollouts as received: " + "; ".join(r["summary"] for r in refused) if refused else ""))}
     hist = body.get("history", {}).get("reward_mean", [])
     rewards = b["rewards"]
     if len(hist) >= 2:
@@ -231,6 +233,19 @@ def _diagnose(body, b, rollout, trainer, mask, bad, rows_version, workers, weigh
             f"inputs are consistent (logprobs agree, rewards in range) but the update was rejected: "
             f"{body['reason']}: an algorithmic instability (lr, clipping, advantage scale), not a system bug")}
     return {"cause": "consistent", "explanation": "logprobs agree token by token and rewards are in range"}
+
+
+def _refused(entry: dict[str, Any]) -> dict[str, Any]:
+    """What was wrong with one refused rollout, from its wire dict as the gate received it."""
+    d = entry.get("rollout") or {}
+    lp = d.get("logprobs")
+    lp = torch.as_tensor(lp, dtype=torch.float32) if lp is not None else torch.zeros(0)
+    bad = (~torch.isfinite(lp)).nonzero().flatten().tolist()
+    out = {"uid": d.get("uid"), "worker": entry.get("worker"), "policy_version": d.get("policy_version"),
+           "error": entry.get("error"), "nonfinite_positions": bad[:20], "tokens": int(lp.numel())}
+    out["summary"] = (f"{out['uid']} (worker {out['worker']}, version {out['policy_version']}): "
+                      + (f"non-finite logprobs at positions {bad[:8]} of {lp.numel()}" if bad else out["error"]))
+    return out
 
 
 def _worst_tokens(trainer, rollout, mask, input_ids, model_dir, k) -> list[dict[str, Any]]:

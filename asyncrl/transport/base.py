@@ -72,6 +72,11 @@ class RolloutReceiver(abc.ABC):
     def stats(self) -> dict[str, Any]:
         """Counters: messages, bad frames by reason, workers joined/lost."""
 
+    def rejected_rollouts(self) -> list[dict[str, Any]]:
+        """The last few rollouts refused by validation: ``{"worker", "error", "rollout"}`` with the wire dict
+        as received (for the debugger's dumps). Backends that keep none return []."""
+        return []
+
     @abc.abstractmethod
     def close(self, shutdown_workers: bool = True) -> None: ...
 

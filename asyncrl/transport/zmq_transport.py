@@ -40,7 +40,7 @@ import zmq
 from asyncrl.codec import DecodeError, decode, encode
 from asyncrl.config import TransportConfig
 from asyncrl.pool import RolloutPool
-from asyncrl.rollout import Group
+from asyncrl.rollout import Group, Rollout
 from asyncrl.transport import protocol as P
 from asyncrl.transport._zmq_util import drain
 from asyncrl.transport.base import HandshakeTimeout, PeerLost, ReceivedLease, RolloutReceiver, RolloutSender
@@ -53,6 +53,9 @@ TICK_S = 0.005
 HOUSEKEEPING_S = 0.05
 SHUTDOWN_LINGER_MS = 1000
 MAX_DRAIN = 256
+KEEP_REJECTED = 4
+"""Rollouts refused by validation kept for the debugger (the last few, each at most KEEP_REJECTED_BYTES)."""
+KEEP_REJECTED_BYTES = 1 << 20
 
 
 def generate_curve_keys() -> tuple[str, str]:
@@ -134,6 +137,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
         self._lock = threading.Lock()
         self._counters: collections.Counter[str] = collections.Counter()
         self._recent_errors: collections.deque[tuple[str, str]] = collections.deque(maxlen=32)
+        self._rejected: collections.deque[dict[str, Any]] = collections.deque(maxlen=KEEP_REJECTED)
         self._peers: dict[bytes, _Peer] = {}
         self._greeted: set[bytes] = set()  # identities that said HELLO (I/O thread only)
         self._finalizer = weakref.finalize(self, _stop_thread, self._stop)
@@ -324,6 +328,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
             group = Group.from_wire(body["group"], group_size=self.pool.group_size)
         except DecodeError as e:
             self._bad(identity, e)
+            self._keep_rejected(peer, body["group"])
             if peer is not None:  # its lease is void: generate the prompt again elsewhere
                 self.pool.release_held(lease_id, peer.worker_id, "rejected")
             return
@@ -334,6 +339,26 @@ class ZmqRolloutReceiver(RolloutReceiver):
         else:
             peer.groups += accepted > 0
             self.pool.release_held(lease_id, peer.worker_id, "rejected")
+
+    def _keep_rejected(self, peer: _Peer | None, group: Any) -> None:
+        """Keeps copies of the (small) rollouts of a refused group that fail validation themselves."""
+        rollouts = group.get("rollouts") if isinstance(group, dict) else None
+        for d in rollouts if isinstance(rollouts, list) else ():
+            try:
+                Rollout.from_wire(d)
+            except DecodeError as e:
+                if not isinstance(d, dict):
+                    continue
+                tensors = [v for v in d.values() if hasattr(v, "nbytes")]
+                if sum(t.nbytes for t in tensors) <= KEEP_REJECTED_BYTES:
+                    kept = {k: v.clone() if hasattr(v, "clone") else v for k, v in d.items()}
+                    with self._lock:
+                        self._rejected.append({"worker": peer.worker_id if peer else None, "error": str(e)[:300],
+                                               "rollout": kept})
+
+    def rejected_rollouts(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._rejected)
 
     def _drop_peer(self, identity: bytes, reason: str) -> None:
         with self._lock:

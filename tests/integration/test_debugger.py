@@ -64,6 +64,8 @@ def test_fault_is_detected_where_it_starts_and_replay_names_the_cause(tmp_path, 
         assert report["shift"] == 1 and report["first_mismatch"]["first_mismatch"] <= 1
     if fault == "nan_logprobs":
         assert any("non-finite rollout logprobs" in e for e in report["errors"])
+        # the refused rollouts themselves are in the dump: NaN in the middle of the response, as injected
+        assert report["refused"] and all(r["nonfinite_positions"] == [r["tokens"] // 2] for r in report["refused"])
     if fault in ("stale_weights", "shift_logprobs"):  # and the command line says the same
         out = subprocess.run([sys.executable, "-m", "asyncrl.cli", "replay", str(dump), "--checkpoint",
                               str(run / "checkpoints" / f"step-{start - 1:06d}")], capture_output=True, text=True,
