@@ -97,7 +97,6 @@ import dataclasses
 import datetime as dt
 import math
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -375,18 +374,8 @@ def recipe_overrides(
     return out + list(args.set)
 
 
-def _end_run(proc: subprocess.Popen, run_dir: Path) -> None:
-    """Ends a timed-out run: the ranks (pids they wrote; their workers exit with their parent), then torchrun."""
-    for pid_file in run_dir.glob("pid-rank*"):
-        try:
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
-    proc.kill()
-    proc.wait()
-
-
 def measured_runner(args: argparse.Namespace) -> RunPoint:
+    from recipes.grpo import end_run  # kills a run's ranks by the pids they write
     def run(max_staleness: int, workers: int, repeat: int, run_dir: Path) -> Path:
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
                 str(RECIPE), "--config", str(args.config), *recipe_overrides(args, max_staleness, workers, run_dir)]
@@ -400,11 +389,11 @@ def measured_runner(args: argparse.Namespace) -> RunPoint:
             try:
                 rc = proc.wait(timeout=args.timeout)
             except subprocess.TimeoutExpired:
-                _end_run(proc, run_dir)
+                end_run(proc, run_dir)
                 raise RuntimeError(f"k={max_staleness} w={workers}: recipe ran past --timeout={args.timeout}s; "
                                    f"log: {log}") from None
             except BaseException:  # Ctrl-C reaches only us (the run has a session of its own): end it too
-                _end_run(proc, run_dir)
+                end_run(proc, run_dir)
                 raise
         if rc != 0:
             tail = log.read_text(errors="replace")[-3000:]

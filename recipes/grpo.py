@@ -33,6 +33,8 @@ import json
 import math
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -598,6 +600,18 @@ def replay_rejection(dump_path: str | os.PathLike, checkpoint: str | os.PathLike
     if not math.isfinite(float(loss.detach())) or not math.isfinite(grad_norm):
         return f"non-finite loss={float(loss.detach())} or grad_norm={grad_norm}"
     return ""
+
+
+def end_run(proc: subprocess.Popen, run_dir: Path) -> None:
+    """Ends a run started under torchrun: SIGKILL to the ranks (the pids they wrote to ``run_dir``; each runs
+    in a session of its own and its workers exit with it), then torchrun itself."""
+    for pid_file in Path(run_dir).glob("pid-rank*"):
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    proc.kill()
+    proc.communicate()
 
 
 def plot(run_dir: Path) -> None:

@@ -48,15 +48,10 @@ def _finish(proc: subprocess.Popen, timeout: float = 600) -> str:
 
 
 def _kill_run(proc: subprocess.Popen) -> None:
-    """Ends torchrun and the ranks it started (each rank runs in a session of its own), by pid."""
-    run_dir = Path(next(a for a in proc.args if a.startswith("run_dir=")).split("=", 1)[1])
-    for pid_file in run_dir.glob("pid-rank*"):
-        try:
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
-    proc.kill()
-    proc.communicate()
+    """Ends torchrun and the ranks it started, by pid."""
+    from recipes.grpo import end_run
+
+    end_run(proc, Path(next(a for a in proc.args if a.startswith("run_dir=")).split("=", 1)[1]))
 
 
 def _metrics(run_dir: Path) -> list[dict]:
