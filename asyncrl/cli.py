@@ -44,6 +44,10 @@ def _apply_override(tree: dict[str, Any], item: str) -> None:
 
 
 def _worker(args: argparse.Namespace) -> None:
+    if args.parent_pid is not None:  # before the heavy imports: a worker starting up must not outlive its parent
+        from asyncrl.lifeline import die_with_parent
+
+        die_with_parent(args.parent_pid, what=f"rollout worker {args.worker_id or ''}".strip())
     from workers.worker import run_worker
 
     tree: dict[str, Any] = {"worker": {}, "transport": {}}
@@ -89,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     w.add_argument("--set", action="append", metavar="KEY=VALUE", help="dotted override, e.g. worker.slots=8")
     w.add_argument("--worker-id", help="unique worker name (default: host-pid-random)")
     w.add_argument("--server-key", help="the pools' CURVE public key (Z85) when they use CURVE")
-    w.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+    w.add_argument("--parent-pid", type=int, help="exit as soon as this process is gone (the local launcher's pid)")
     w.add_argument("--log-level", default=os.environ.get("ASYNCRL_LOG_LEVEL", "WARNING"))
     w.set_defaults(func=_worker)
     for name, (_, help_text) in _TOOLS.items():
