@@ -2,9 +2,13 @@
 
 Lifecycle of one prompt (per epoch)::
 
-    PENDING ──lease──► LEASED ──group arrives──► BUFFERED ──yielded──► CONSUMED
-       ▲                 │                           │
-       └──── expired / worker lost / failed ─────────┘ stale (dropped by max_staleness)
+    PENDING ──lease──► LEASED ──group arrives──► BUFFERED ──yielded──► DELIVERED ──update committed──► CONSUMED
+       ▲                 │                           │                     │
+       └──── expired / worker lost / failed ─────────┘ stale               └─ saved as BUFFERED: a checkpoint
+                                                       (max_staleness)        re-delivers it after resume
+
+A group counts as consumed when the trainer commits the update it fed, not when it is yielded, so a
+consumer that prefetches (Lightning, a prefetch thread) loses nothing across a checkpoint.
 
 The ledger is like ``DistributedSampler`` plus DataLoader worker sharding, but dynamic: the order of
 prompts is a deterministic function of ``(seed, epoch)``, this rank owns a fixed shard of it, and
@@ -20,12 +24,15 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 import torch
+
+from asyncrl.poison import reissue_backoff_s
 
 __all__ = ["Lease", "PromptLedger", "PromptState", "shard_indices"]
 
@@ -34,7 +41,10 @@ class PromptState(str, Enum):
     PENDING = "pending"
     LEASED = "leased"
     BUFFERED = "buffered"
+    DELIVERED = "delivered"
     CONSUMED = "consumed"
+    SKIPPED = "skipped"
+    """Poisoned and skipped (``loader.on_poisoned_prompt='skip'``): done for the epoch, never consumed."""
 
 
 @dataclass(slots=True)
@@ -159,9 +169,16 @@ class PromptLedger:
         self._attempts: dict[int, int] = {}
         self.leases: dict[int, Lease] = {}
         self._leases_of: dict[int, set[int]] = collections.defaultdict(set)
+        # workers that held a lease for the prompt in this epoch: the only ones whose group for it is accepted.
+        # Not saved: a resumed run re-issues every outstanding lease, so only holders of the new timeline count.
+        self._holders: dict[int, set[str]] = collections.defaultdict(set)
         self._buffered: set[int] = set()
+        self._delivered: set[int] = set()  # yielded to the trainer, update not committed yet
         self._watermark = 0  # every position below it is consumed
         self._consumed_above: set[int] = set()
+        self._failures: dict[int, tuple[int, str]] = {}  # prompt -> (failed attempts, last error)
+        self._delayed: dict[int, float] = {}  # prompt -> when it may be re-issued (inf: parked as poisoned)
+        self._skipped: set[int] = set()  # poisoned prompts skipped: done for the epoch, never consumed
 
     @property
     def shard_size(self) -> int:
@@ -173,12 +190,17 @@ class PromptLedger:
 
     @property
     def epoch_done(self) -> bool:
-        return self.num_consumed == len(self.order)
+        return self.num_consumed + len(self._skipped) == len(self.order)
+
+    @property
+    def all_delivered(self) -> bool:
+        """Every prompt of the epoch is delivered or consumed: nothing is left to yield."""
+        return self.num_consumed + len(self._delivered) + len(self._skipped) == len(self.order)
 
     def next_in_order(self) -> int | None:
         """The first prompt of the shard's order not yet consumed (ordered delivery), or None."""
         pos = self._watermark
-        while pos < len(self.order) and pos in self._consumed_above:
+        while pos < len(self.order) and (pos in self._consumed_above or self.order[pos] in self._skipped):
             pos += 1
         return self.order[pos] if pos < len(self.order) else None
 
@@ -187,17 +209,21 @@ class PromptLedger:
         pos = self._position.get(prompt_index)
         if pos is None:
             return None
+        if prompt_index in self._skipped:
+            return PromptState.SKIPPED
         if pos < self._watermark or pos in self._consumed_above:
             return PromptState.CONSUMED
         if prompt_index in self._buffered:
             return PromptState.BUFFERED
+        if prompt_index in self._delivered:
+            return PromptState.DELIVERED
         if self._leases_of.get(prompt_index):
             return PromptState.LEASED
         return PromptState.PENDING
 
     # -- leasing -------------------------------------------------------------------------------
     def has_pending(self) -> bool:
-        return bool(self._retry) or self._cursor < len(self.order)
+        return bool(self._retry) or bool(self._delayed) or self._cursor < len(self.order)
 
     def new_timeline(self) -> int:
         """Marks a reset: every lease issued from now on has an id >= the returned one (older results
@@ -223,6 +249,7 @@ class PromptLedger:
 
     def lease(self, worker_id: str, now: float) -> Lease | None:
         """Leases the next pending prompt to ``worker_id``, re-issues first; None if nothing is pending."""
+        self.wake(now)
         idx = self.peek()
         if idx is None:
             return None
@@ -240,6 +267,7 @@ class PromptLedger:
         lease = Lease(next(self._lease_ids), self.epoch, idx, worker_id, now + self.lease_timeout_s, attempt)
         self.leases[lease.lease_id] = lease
         self._leases_of[idx].add(lease.lease_id)
+        self._holders[idx].add(worker_id)
         self.counters["leased"] += 1
         return lease
 
@@ -258,6 +286,30 @@ class PromptLedger:
         lease = self._drop_lease(lease_id)
         if lease is not None and self.state_of(lease.prompt_index) is PromptState.PENDING:
             self._requeue(lease.prompt_index, reason)
+        return lease
+
+    def held_by(self, prompt_index: int, worker_id: str) -> bool:
+        """True if ``worker_id`` holds, or held, a lease for ``prompt_index`` in this epoch (this timeline)."""
+        return worker_id in self._holders.get(prompt_index, ())
+
+    def undeliver(self, lease_id: int) -> Lease | None:
+        """Takes back a lease that never reached its worker (unroutable, queue full): as if it was never
+        issued, so it counts neither as leased nor as a regeneration; its prompt goes first in the queue."""
+        lease = self._drop_lease(lease_id)
+        if lease is None:
+            return None
+        idx = lease.prompt_index
+        if lease.attempt:
+            self._attempts[idx] = lease.attempt - 1
+            self.counters["regenerated"] -= 1
+        else:
+            self._attempts.pop(idx, None)
+        self.counters["leased"] -= 1
+        self.counters["undeliverable"] += 1
+        if not any(self.leases[lid].worker_id == lease.worker_id for lid in self._leases_of.get(idx, ())):
+            self._holders[idx].discard(lease.worker_id)
+        if self.state_of(idx) is PromptState.PENDING:
+            self._retry.appendleft(idx)
         return lease
 
     def release_worker(self, worker_id: str, reason: str = "worker_lost") -> list[Lease]:
@@ -289,16 +341,94 @@ class PromptLedger:
         self._buffered.discard(prompt_index)
         self._requeue(prompt_index, "stale")
 
-    def consume(self, prompt_index: int) -> None:
-        """Marks a buffered prompt as handed to the trainer."""
+    def deliver(self, prompt_index: int) -> None:
+        """Marks a buffered prompt as handed to the trainer (not yet trained on: see :meth:`consume`)."""
         if self.state_of(prompt_index) is not PromptState.BUFFERED:
             raise RuntimeError(f"prompt {prompt_index} of epoch {self.epoch} is {self.state_of(prompt_index)}, not buffered")
         self._buffered.discard(prompt_index)
+        self._delivered.add(prompt_index)
+
+    def consume(self, prompt_index: int) -> None:
+        """Marks a delivered (or buffered) prompt as consumed: the trainer committed the update it fed."""
+        if self.state_of(prompt_index) not in (PromptState.BUFFERED, PromptState.DELIVERED):
+            raise RuntimeError(f"prompt {prompt_index} of epoch {self.epoch} is {self.state_of(prompt_index)}, "
+                               "not buffered or delivered")
+        self._buffered.discard(prompt_index)
+        self._delivered.discard(prompt_index)
         self._consumed_above.add(self._position[prompt_index])
         while self._watermark in self._consumed_above:
             self._consumed_above.discard(self._watermark)
             self._watermark += 1
         self.counters["consumed"] += 1
+
+    # -- failed attempts (poisoned prompts, asyncrl.poison) -------------------------------------
+    def record_failure(self, lease_id: int, error: str, now: float, backoff_s: float = 0.0) -> int | None:
+        """A worker reported that it could not finish lease ``lease_id``: counts the failed attempt against
+        its prompt and gives the lease back. The prompt is re-issued after
+        :func:`~asyncrl.poison.reissue_backoff_s` of its count (at once with ``backoff_s=0``).
+
+        Returns:
+            the prompt's failed attempts in this epoch, or None if the lease is not live (already
+            released, expired, or its prompt completed): such a report counts for nothing.
+        """
+        lease = self._drop_lease(lease_id)
+        if lease is None:
+            return None
+        idx = lease.prompt_index
+        failures = self._failures.get(idx, (0, ""))[0] + 1
+        self._failures[idx] = (failures, error)
+        self.counters["lease_failures"] += 1
+        if self.state_of(idx) is PromptState.PENDING:
+            delay = reissue_backoff_s(failures, backoff_s)
+            if delay > 0:
+                self.counters["requeued_failed"] += 1
+                self._delayed[idx] = min(self._delayed.get(idx, math.inf), now + delay)
+            else:
+                self._requeue(idx, "failed")
+        return failures
+
+    def failures_of(self, prompt_index: int) -> tuple[int, str]:
+        """``(failed attempts, last error text)`` of a prompt in this epoch."""
+        return self._failures.get(prompt_index, (0, ""))
+
+    def wake(self, now: float) -> None:
+        """Queues for re-issue every failed prompt whose backoff has passed."""
+        for idx in [i for i, t in self._delayed.items() if t <= now]:
+            del self._delayed[idx]
+            self._retry.append(idx)
+
+    def park(self, prompt_index: int) -> None:
+        """Stops re-issuing a poisoned prompt (its live leases stay). It stays PENDING, so a checkpoint
+        saves it as a prompt to generate, and a resume tries it again."""
+        self._delayed[prompt_index] = math.inf
+        self._retry = collections.deque(i for i in self._retry if i != prompt_index)
+
+    @property
+    def poisoned(self) -> int | None:
+        """The first parked prompt still waiting for a group (the pool raises for it), or None."""
+        for idx, t in self._delayed.items():
+            if t == math.inf and self.state_of(idx) in (PromptState.PENDING, PromptState.LEASED):
+                return idx
+        return None
+
+    def skip(self, prompt_index: int) -> list[Lease]:
+        """Marks a poisoned prompt SKIPPED: done for the epoch, never consumed; its leases are void.
+
+        Returns:
+            the leases cancelled.
+        """
+        if self.state_of(prompt_index) not in (PromptState.PENDING, PromptState.LEASED):
+            raise RuntimeError(f"prompt {prompt_index} of epoch {self.epoch} is {self.state_of(prompt_index)}; "
+                               "only a pending or leased prompt can be skipped")
+        dropped = [self._drop_lease(lid) for lid in list(self._leases_of.get(prompt_index, ()))]
+        self._delayed.pop(prompt_index, None)
+        self._skipped.add(prompt_index)
+        return [lease for lease in dropped if lease is not None]
+
+    @property
+    def skipped(self) -> list[int]:
+        """Prompts skipped as poisoned in this epoch, in the shard's order (never consumed)."""
+        return sorted(self._skipped, key=self._position.__getitem__)
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -308,8 +438,8 @@ class PromptLedger:
         restart, and a late group from one that does is deduplicated by uid.
         """
         outstanding = sorted({lease.prompt_index for lease in self.leases.values()}, key=self._position.__getitem__)
-        retry = list(dict.fromkeys([*outstanding, *self._retry]))
-        retry = [i for i in retry if i not in self._buffered and self.state_of(i) is not PromptState.CONSUMED]
+        retry = list(dict.fromkeys([*outstanding, *self._retry, *self._delayed]))
+        retry = [i for i in retry if self.state_of(i) not in (PromptState.BUFFERED, PromptState.DELIVERED, PromptState.CONSUMED)]
         return {
             "version": self.STATE_VERSION,
             "epoch": self.epoch,
@@ -319,10 +449,12 @@ class PromptLedger:
             "world_size": self.world_size,
             "cursor": self._cursor,
             "retry": retry,
-            "buffered": sorted(self._buffered, key=self._position.__getitem__),
+            "buffered": sorted(self._buffered | self._delivered, key=self._position.__getitem__),  # re-delivered
             "watermark": self._watermark,
             "consumed_above": sorted(self._consumed_above),
             "attempts": {str(k): v for k, v in self._attempts.items()},
+            "failures": {str(k): list(v) for k, v in self._failures.items()},
+            "skipped": sorted(self._skipped, key=self._position.__getitem__),
             "counters": dict(self.counters),
         }
 
@@ -348,4 +480,6 @@ class PromptLedger:
         self._watermark = state["watermark"]
         self._consumed_above = set(state["consumed_above"])
         self._attempts = {int(k): v for k, v in state["attempts"].items()}
+        self._failures = {int(k): (int(n), str(e)) for k, (n, e) in state.get("failures", {}).items()}
+        self._skipped = set(state.get("skipped", ()))
         self.counters = collections.Counter(state["counters"])

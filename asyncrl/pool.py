@@ -4,13 +4,21 @@ Who calls what (all under one lock; the condition wakes the trainer when a group
 
     receiver I/O thread                       trainer thread (RolloutPoolNode.next)
     ───────────────────                       ─────────────────────────────────────
-    add_rollouts(...)  ── complete group ──►  take(timeout) ── drops stale, consumes ──► Group
-    grant(worker, n)   ◄── capacity freed ──  set_policy_version(v) ── purges stale groups
-    expire(now) / release_worker(w)
+    add_rollouts(...)  ── complete group ──►  take(timeout) ── drops stale, delivers ──► Group
+    grant(worker, n)   ◄── capacity freed ──  commit(epoch, prompts) ── the update they fed is committed
+    expire(now) / release_worker(w)           set_policy_version(v) ── purges stale groups
 
 A group is buffered whole, in arrival order. ``take`` drops groups older than
 ``policy_version - max_staleness`` and sends their prompts back to the ledger to be generated again
-(counted, never silently lost). Capacity counts groups leased, partially received or buffered, so a
+(counted, never silently lost). A yielded group is DELIVERED, not consumed: it is consumed when the
+trainer commits the update it fed (:meth:`commit`), and until then :meth:`state_dict` saves it for
+re-delivery, so a checkpoint taken while batches are prefetched loses none of them. With ``prefetch =
+p`` (batches the consumer fetches ahead of the one it trains) a group is trained up to ``p`` versions
+after it is taken, so ``take`` judges staleness at ``policy_version + p``.
+
+One timeline: the pool rejects (and counts) rollouts newer than the trainer's policy version and
+rollouts of a rolled-back incarnation (:mod:`asyncrl.timeline`); its state carries the timeline, and
+loading it into a new incarnation opens a new segment. Capacity counts groups leased, partially received or buffered, so a
 stalled trainer stops lease grants and with them generation (backpressure). Everything the trainer
 has not yet received lives here and is part of :meth:`state_dict`.
 
@@ -31,8 +39,10 @@ import time
 from typing import Any
 
 from asyncrl.ledger import Lease, PromptLedger, PromptState
+from asyncrl.poison import PoisonedPromptError, PoisonPolicy
 from asyncrl.rollout import Group, Rollout
 from asyncrl.staleness import check_policy_version, is_stale
+from asyncrl.timeline import Timeline, new_incarnation
 
 __all__ = ["RolloutPool"]
 
@@ -51,9 +61,17 @@ class RolloutPool:
             deterministic whatever the workers' timing).
         groups_per_step: groups the trainer consumes per optimizer step; with ``max_staleness`` set, leases
             are granted only for groups that can still be trained within it. None = capacity only.
+        prefetch: batches the consumer fetches ahead of the one it trains (0: a plain loop; 1: Lightning);
+            staleness is judged at the version the group will be trained at. Must be <= ``max_staleness``.
+        incarnation: this trainer incarnation (:func:`asyncrl.timeline.new_incarnation`); default a new one.
+        max_prompt_failures: failed attempts (leases reported FAILED) after which a prompt is poisoned
+            (:mod:`asyncrl.poison`); None = never.
+        on_poisoned_prompt: ``"raise"``: :meth:`take` raises :class:`~asyncrl.poison.PoisonedPromptError`;
+            ``"skip"``: the prompt is skipped for the epoch (counted in ``stats["skipped_poisoned"]``).
+        failure_backoff_s: a failed prompt is re-issued after this many seconds, doubled per failed attempt.
     """
 
-    STATE_VERSION = 1
+    STATE_VERSION = 2
 
     def __init__(
         self,
@@ -65,7 +83,24 @@ class RolloutPool:
         max_buffer_bytes: int | None = None,
         ordered: bool = False,
         groups_per_step: int | None = None,
+        prefetch: int = 0,
+        incarnation: str | None = None,
+        max_prompt_failures: int | None = 3,
+        on_poisoned_prompt: PoisonPolicy = "raise",
+        failure_backoff_s: float = 0.5,
     ):
+        if max_prompt_failures is not None and max_prompt_failures < 1:
+            raise ValueError(f"{max_prompt_failures=} must be >= 1 (or None: never poisoned)")
+        if on_poisoned_prompt not in ("raise", "skip") or failure_backoff_s < 0:
+            raise ValueError(f"need {on_poisoned_prompt=} in ('raise', 'skip') and {failure_backoff_s=} >= 0")
+        self.max_prompt_failures = max_prompt_failures
+        self.on_poisoned_prompt = on_poisoned_prompt
+        self.failure_backoff_s = failure_backoff_s
+        if prefetch < 0 or (max_staleness is not None and prefetch > max_staleness):
+            raise ValueError(
+                f"{prefetch=} must be in [0, {max_staleness=}]: a consumer that fetches p batches ahead trains each "
+                "group up to p versions after it is taken; raise max_staleness or fetch less ahead"
+            )
         if group_size < 1:
             raise ValueError(f"{group_size=} must be >= 1")
         if capacity < 1:
@@ -81,12 +116,15 @@ class RolloutPool:
         if groups_per_step is not None and groups_per_step < 1:
             raise ValueError(f"{groups_per_step=} must be >= 1 (or None)")
         self.groups_per_step = groups_per_step if max_staleness is not None else None
+        self.prefetch = prefetch
+        self.timeline = Timeline(incarnation or new_incarnation())
         self.step_taken = 0  # groups yielded for the trainer's current step
         self.cond = threading.Condition()
         self.policy_version = 0
         self.stats: collections.Counter[str] = collections.Counter()
         self.peak = collections.Counter()  # high-water marks: groups_in_flight, buffered_bytes
         self._ready: collections.OrderedDict[int, Group] = collections.OrderedDict()
+        self._delivered: collections.OrderedDict[int, Group] = collections.OrderedDict()  # yielded, not committed
         self._partial: dict[int, dict[int, Rollout]] = {}
         self.buffered_bytes = 0
         self.min_lease_id = 0  # results of older leases belong to a timeline abandoned by a reset
@@ -111,6 +149,10 @@ class RolloutPool:
             if lease_id is not None and lease_id < self.min_lease_id:
                 self.stats["superseded"] += len(rollouts)
                 return 0
+            off_timeline = next((why for r in rollouts if (why := self._timeline_reason(r))), None)
+            if off_timeline:  # the whole group: its rollouts share weights that the trainer never had
+                self.stats[off_timeline] += len(rollouts)
+                return 0
             for r in rollouts:
                 reason = self._reject_reason(r)
                 if reason:
@@ -126,12 +168,23 @@ class RolloutPool:
             self._update_peaks()
         return accepted
 
+    @property
+    def incarnation(self) -> str:
+        """The live trainer incarnation (workers are told it with every lease and heartbeat)."""
+        return self.timeline.incarnation
+
+    def _timeline_reason(self, r: Rollout) -> str | None:
+        newest = max(v for v, _, _ in r.spans())
+        return self.timeline.check(r.incarnation, max(newest, r.policy_version), self.policy_version)
+
     def _reject_reason(self, r: Rollout) -> str | None:
         if r.epoch != self.ledger.epoch:
             return "wrong_epoch"
         state = self.ledger.state_of(r.prompt_index)
         if state is None:
             return "not_in_shard"
+        if state is PromptState.SKIPPED:
+            return "skipped_prompt"
         if state in (PromptState.BUFFERED, PromptState.CONSUMED):
             return "duplicate"
         if not 0 <= r.sample_index < self.group_size:
@@ -155,6 +208,7 @@ class RolloutPool:
         now = time.monotonic() if now is None else now
         out: list[Lease] = []
         with self.cond:
+            self.ledger.wake(now)  # failed prompts whose re-issue backoff has passed
             while self.active and len(out) < want:
                 index = self.ledger.peek()
                 if index is None:
@@ -176,7 +230,7 @@ class RolloutPool:
         """Most groups in flight that can still be trained within ``max_staleness`` (inf: unbounded)."""
         if self.groups_per_step is None:
             return float("inf")
-        return (self.max_staleness + 1) * self.groups_per_step - self.step_taken
+        return (self.max_staleness - self.prefetch + 1) * self.groups_per_step - self.step_taken
 
     def release(self, lease_id: int, reason: str) -> None:
         with self.cond:
@@ -188,6 +242,46 @@ class RolloutPool:
             lease = self.ledger.leases.get(lease_id)
             if lease is not None and lease.worker_id == worker_id:
                 self.ledger.release(lease_id, reason)
+
+    def lease_failed(self, lease_id: int, worker_id: str, error: str, now: float | None = None) -> int | None:
+        """A worker reports that it could not finish a lease it holds (engine or reward error).
+
+        The failed attempt is counted against the prompt and the prompt is re-issued after a backoff;
+        at ``max_prompt_failures`` it is poisoned: parked, and :meth:`take` raises (``"raise"``), or
+        skipped for the epoch (``"skip"``). A report for a lease the worker does not hold counts for nothing.
+
+        Returns:
+            the prompt's failed attempts in this epoch, or None if the report was ignored.
+        """
+        now = time.monotonic() if now is None else now
+        with self.cond:
+            lease = self.ledger.leases.get(lease_id)
+            if lease is None or lease.worker_id != worker_id:
+                return None
+            failures = self.ledger.record_failure(lease_id, error, now, self.failure_backoff_s)
+            if failures is None or self.max_prompt_failures is None or failures < self.max_prompt_failures:
+                return failures
+            if self.ledger.state_of(lease.prompt_index) not in (PromptState.PENDING, PromptState.LEASED):
+                return failures  # its group arrived meanwhile through another lease
+            if self.on_poisoned_prompt == "skip":
+                self.stats["cancelled_leases"] += len(self.ledger.skip(lease.prompt_index))
+                self.stats["skipped_poisoned"] += 1
+            else:
+                self.ledger.park(lease.prompt_index)
+            self.cond.notify_all()  # take() raises, or sees the epoch end
+            return failures
+
+    def held_by(self, epoch: int, prompt_index: int, worker_id: str) -> bool:
+        """The gate's ownership check: True if ``worker_id`` holds or held a lease for ``prompt_index`` in
+        ``epoch`` (the current epoch and timeline). The receiver refuses other groups (``not_leased_to_peer``)."""
+        with self.cond:
+            return epoch == self.ledger.epoch and self.ledger.held_by(prompt_index, worker_id)
+
+    def undeliver(self, leases: list[Lease]) -> None:
+        """Takes back leases that never reached their worker; they count neither as leased nor regenerated."""
+        with self.cond:
+            for lease in leases:
+                self.ledger.undeliver(lease.lease_id)
 
     def release_worker(self, worker_id: str, reason: str = "worker_lost") -> list[Lease]:
         with self.cond:
@@ -226,6 +320,8 @@ class RolloutPool:
             while True:
                 if self._error is not None:
                     raise RuntimeError("rollout receiver failed") from self._error
+                if (poisoned := self.ledger.poisoned) is not None:  # on_poisoned_prompt="raise"
+                    raise PoisonedPromptError(self.ledger.epoch, poisoned, *self.ledger.failures_of(poisoned))
                 while self._ready:
                     if self.ordered:
                         index = self.ledger.next_in_order()
@@ -235,14 +331,15 @@ class RolloutPool:
                     else:
                         index, group = self._ready.popitem(last=False)
                     self.buffered_bytes -= group.nbytes
-                    if is_stale(group.policy_version, self.policy_version, self.max_staleness):
+                    if is_stale(group.policy_version, self.policy_version + self.prefetch, self.max_staleness):
                         self._drop_stale(index)
                         continue
-                    self.ledger.consume(index)
+                    self.ledger.deliver(index)
+                    self._delivered[index] = group
                     self.stats["groups_yielded"] += 1
                     self.step_taken += 1
                     return group
-                if self.ledger.epoch_done:
+                if self.ledger.all_delivered:
                     raise StopIteration
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -264,14 +361,49 @@ class RolloutPool:
             if version > self.policy_version:
                 self.step_taken = 0
             self.policy_version = version
-            for index in [i for i, g in self._ready.items() if is_stale(g.policy_version, version, self.max_staleness)]:
+            trained_at = version + self.prefetch
+            for index in [i for i, g in self._ready.items() if is_stale(g.policy_version, trained_at, self.max_staleness)]:
                 self.buffered_bytes -= self._ready.pop(index).nbytes
                 self._drop_stale(index)
+
+    def commit(self, epoch: int, prompt_indices: list[int], *, generation: int | None = None) -> int:
+        """Records that the trainer committed the update fed by these delivered groups: they are consumed.
+
+        Args:
+            epoch: the epoch the groups were delivered in.
+            prompt_indices: their prompts.
+            generation: ``min_lease_id`` when they were delivered; a reset since (a loaded state, a new
+                epoch) voids the commit, as the groups were put back to be delivered again.
+
+        Groups of another epoch or generation, or not delivered, are ignored and counted as
+        ``commit_ignored``. Returns the number consumed.
+        """
+        n = 0
+        with self.cond:
+            for index in prompt_indices:
+                if (epoch != self.ledger.epoch or index not in self._delivered
+                        or (generation is not None and generation != self.min_lease_id)):
+                    self.stats["commit_ignored"] += 1
+                    continue
+                del self._delivered[index]
+                self.ledger.consume(index)
+                n += 1
+            self.stats["groups_committed"] += n
+            self.cond.notify_all()
+        return n
+
+    @property
+    def num_delivered(self) -> int:
+        """Groups yielded whose update is not committed yet."""
+        with self.cond:
+            return len(self._delivered)
 
     def start_epoch(self, epoch: int) -> None:
         """Abandons whatever is left of the current epoch and starts ``epoch``."""
         with self.cond:
             self.min_lease_id = self.ledger.new_timeline()
+            self.stats["abandoned_uncommitted"] += len(self._delivered)
+            self._delivered.clear()
             self._ready.clear()
             self._partial.clear()
             self.buffered_bytes = 0
@@ -286,8 +418,10 @@ class RolloutPool:
                 "version": self.STATE_VERSION,
                 "group_size": self.group_size,
                 "policy_version": self.policy_version,
+                "timeline": self.timeline.state_dict(),
                 "ledger": self.ledger.state_dict(),
-                "ready": [g.to_wire() for g in self._ready.values()],
+                # delivered but not committed first: they are delivered again, in the same order, on resume
+                "ready": [g.to_wire() for g in (*self._delivered.values(), *self._ready.values())],
                 "partial": [r.to_wire() for part in self._partial.values() for r in part.values()],
                 "stats": dict(self.stats),
                 "step_taken": self.step_taken,
@@ -307,7 +441,9 @@ class RolloutPool:
             self.min_lease_id = self.ledger.new_timeline()
             self.ledger.load_state_dict(state["ledger"])
             self.policy_version = state["policy_version"]
+            self.timeline.load_state_dict(state["timeline"], live=self.incarnation, version=self.policy_version)
             self._ready.clear()
+            self._delivered.clear()
             self._partial.clear()
             for g in state["ready"]:
                 group = Group.from_wire(g, group_size=self.group_size)

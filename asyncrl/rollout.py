@@ -46,6 +46,9 @@ _WIRE_KEYS = frozenset(
         "metadata",
     }
 )
+_OPTIONAL_WIRE_KEYS = frozenset({"incarnation"})
+"""Keys a rollout may omit on the wire (older senders): ``incarnation`` defaults to ``""``."""
+MAX_INCARNATION_CHARS = 64
 
 
 def spans_of(versions: list[int]) -> list[tuple[int, int, int]]:
@@ -83,6 +86,9 @@ class Rollout:
     """The worker that generated it."""
     policy_version: int
     """The oldest policy version that produced any of its tokens (staleness is measured from it)."""
+    incarnation: str = ""
+    """The trainer run incarnation whose weights produced it (:mod:`asyncrl.timeline`); ``""`` = unknown
+    (an engine that never received weights): judged by ``policy_version`` alone."""
     prompt_ids: torch.Tensor
     """int32 ``[P]`` prompt token ids."""
     response_ids: torch.Tensor
@@ -135,6 +141,7 @@ class Rollout:
             "sample_index": self.sample_index,
             "worker_id": self.worker_id,
             "policy_version": self.policy_version,
+            "incarnation": self.incarnation,
             "version_spans": [list(s) for s in self.version_spans],
             "prompt_ids": self.prompt_ids,
             "response_ids": self.response_ids,
@@ -156,13 +163,14 @@ class Rollout:
         """
         if not isinstance(d, dict):
             raise DecodeError(f"rollout must be a map, got {type(d).__name__}")
-        missing, extra = _WIRE_KEYS - d.keys(), d.keys() - _WIRE_KEYS
+        missing, extra = _WIRE_KEYS - d.keys(), d.keys() - _WIRE_KEYS - _OPTIONAL_WIRE_KEYS
         if missing or extra:
             raise DecodeError(f"rollout fields: missing {sorted(missing)}, unknown {sorted(map(str, extra))}")
         ints = {k: _int(d, k) for k in ("epoch", "prompt_index", "sample_index", "policy_version")}
         r = cls(
             **ints,
             worker_id=_str(d, "worker_id"),
+            incarnation=_str(d, "incarnation") if "incarnation" in d else "",
             prompt_ids=_tensor(d, "prompt_ids", (torch.int32, torch.int64)),
             response_ids=_tensor(d, "response_ids", (torch.int32, torch.int64)),
             logprobs=_tensor(d, "logprobs", (torch.float32,)),
@@ -205,6 +213,8 @@ class Rollout:
                 raise DecodeError(f"{self.uid}: logprobs must be <= 0, max is {float(lp.max())}")
         if min(self.epoch, self.prompt_index, self.sample_index, self.policy_version) < 0:
             raise DecodeError(f"{self.uid}: epoch/prompt_index/sample_index/policy_version must be >= 0")
+        if len(self.incarnation) > MAX_INCARNATION_CHARS:
+            raise DecodeError(f"{self.uid}: incarnation is {len(self.incarnation)} chars, at most {MAX_INCARNATION_CHARS}")
         if self.finish_reason not in FINISH_REASONS:
             raise DecodeError(f"{self.uid}: finish_reason {self.finish_reason!r} not in {FINISH_REASONS}")
         if self.version_spans:

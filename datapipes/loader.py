@@ -9,7 +9,14 @@
 Drop-in for a ``DataLoader``: ``for batch in loader`` yields padded tensor batches of whole groups;
 ``state_dict()`` / ``load_state_dict()`` resume the whole rollout pipeline (ledger, leases,
 buffered rollouts, consumed watermark); ``set_policy_version(v)`` after each optimizer step tells
-the pool which rollouts are now too stale to yield.
+the pool which rollouts are now too stale to yield, and commits the batches that fed the step.
+
+Acknowledged consumption: a yielded batch counts as consumed when the trainer commits the update it
+fed, not when it is yielded. ``set_policy_version(v)`` (or ``commit()``, after a rejected update)
+commits every batch yielded so far except the newest ``config.prefetch`` ones, the batches a
+prefetching consumer (Lightning: 1) has fetched but not trained yet; ``state_dict()`` saves the
+uncommitted ones for re-delivery. Every rollout is stamped with the trainer incarnation whose weights
+made it; the pool trains only rollouts of this run's timeline (:mod:`asyncrl.timeline`).
 
 M:N: with ``world_size`` trainer ranks, each rank's loader owns shard ``rank`` of the prompt ledger
 and binds its own pool; when a process group exists the ranks exchange endpoints and every local
@@ -20,6 +27,7 @@ Shards are balanced by prompt token count when ``prompt_lengths`` is given.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import weakref
@@ -56,6 +64,8 @@ class RolloutLoader(Loader[TrainBatch]):
         group_filter: optional predicate; groups for which it is False are dropped (counted).
         collate_fn: ``list[Group] -> batch``; default :func:`~datapipes.collate.collate_groups`.
         prompt_lengths: optional prompt token counts, to balance rank shards by tokens.
+        incarnation: this trainer incarnation, the same on every rank and given to the weight broadcaster
+            (:func:`asyncrl.timeline.new_incarnation`, once per start or resume); default: a new one.
         **overrides: fields of :class:`~asyncrl.config.LoaderConfig`.
     """
 
@@ -69,6 +79,7 @@ class RolloutLoader(Loader[TrainBatch]):
         group_filter: Callable[[Group], bool] | None = None,
         collate_fn: Callable[[list[Group]], Any] = collate_groups,
         prompt_lengths: Sequence[int] | None = None,
+        incarnation: str | None = None,
         **overrides: Any,
     ):
         config = dataclasses.replace(config or LoaderConfig(), **overrides)
@@ -96,7 +107,14 @@ class RolloutLoader(Loader[TrainBatch]):
             max_buffer_bytes=config.max_buffer_bytes,
             ordered=config.ordered,
             groups_per_step=config.batch_size if config.lease_within_staleness else None,
+            prefetch=config.prefetch,
+            incarnation=incarnation,
+            max_prompt_failures=config.max_prompt_failures,
+            on_poisoned_prompt=config.on_poisoned_prompt,
+            failure_backoff_s=config.prompt_failure_backoff_s,
         )
+        # per yielded batch: (pool reset generation, epoch, prompts); entries of an older generation are void
+        self._uncommitted: collections.deque[tuple[int, int, list[int]]] = collections.deque()
         self.receiver: RolloutReceiver = setup_rollout_receiver(
             config.transport, self.pool, prompts.__getitem__, rank=rank, world_size=world_size
         )
@@ -105,7 +123,10 @@ class RolloutLoader(Loader[TrainBatch]):
         if config.num_workers > 0:
             targets = self.endpoints if config.serve_all_ranks else [self.endpoint]
             self.launcher = LocalWorkerLauncher(
-                targets, config.num_workers, config.worker, config.transport, name=f"r{rank}w"
+                targets, config.num_workers, config.worker, config.transport, name=f"r{rank}w",
+                max_restarts=_max_restarts(config.restart_workers),
+                backoff_s=config.restart_backoff_s,
+                backoff_max_s=config.restart_backoff_max_s,
             )
             self.launcher.start()
         self.pool_node = RolloutPoolNode(
@@ -115,10 +136,27 @@ class RolloutLoader(Loader[TrainBatch]):
             wait_timeout_s=config.wait_timeout_s,
             health_check=self._health_check,
         )
-        node = GroupFilter(self.pool_node, group_filter) if group_filter is not None else self.pool_node
-        node = Mapper(Batcher(node, config.batch_size, drop_last=False), collate_fn)
+        node = GroupFilter(self.pool_node, self._committing(group_filter)) if group_filter is not None else self.pool_node
+        node = Mapper(Batcher(node, config.batch_size, drop_last=False), self._recording(collate_fn))
         super().__init__(node, restart_on_stop_iteration=True)
         self._finalizer = weakref.finalize(self, _close, self.receiver, self.launcher)
+
+    def _recording(self, collate_fn: Callable[[list[Group]], Any]) -> Callable[[list[Group]], Any]:
+        def collate(groups: list[Group]) -> Any:  # runs in the trainer thread, right before the batch is yielded
+            if groups:
+                self._uncommitted.append((self.pool.min_lease_id, groups[0].epoch, [g.prompt_index for g in groups]))
+            return collate_fn(groups)
+
+        return collate
+
+    def _committing(self, group_filter: Callable[[Group], bool]) -> Callable[[Group], bool]:
+        def keep(group: Group) -> bool:  # a group filtered out is done with: consumed without training
+            ok = group_filter(group)
+            if not ok:
+                self.pool.commit(group.epoch, [group.prompt_index], generation=self.pool.min_lease_id)
+            return ok
+
+        return keep
 
     def _exchange_endpoints(self, endpoint: str, distributed: bool) -> list[str]:
         if not distributed or self.world_size == 1:
@@ -130,11 +168,12 @@ class RolloutLoader(Loader[TrainBatch]):
     def _health_check(self) -> None:
         if self.launcher is None:
             return
-        self.launcher.poll(restart=self.config.restart_workers)
-        if self.launcher.alive() == 0:
+        self.launcher.poll()
+        if not self.launcher.recoverable():
             raise RuntimeError(
                 f"rank {self.rank}: all {self.config.num_workers} local rollout workers are dead and none can be "
-                f"restarted (restarts used: {self.launcher.restarts}); see their stderr above"
+                f"restarted (restarts used per slot: {self.launcher.restarts}, "
+                f"loader.restart_workers={self.config.restart_workers!r}); see their stderr above"
             )
 
     @property
@@ -146,16 +185,34 @@ class RolloutLoader(Loader[TrainBatch]):
     def policy_version(self) -> int:
         return self.pool.policy_version
 
+    @property
+    def incarnation(self) -> str:
+        """This trainer incarnation: publish weights with it (``WeightBroadcaster.publish(..., incarnation=)``)."""
+        return self.pool.incarnation
+
     def set_policy_version(self, version: int) -> None:
-        """Tells the pipeline the trainer's policy version (call after each committed update).
+        """Tells the pipeline the trainer's policy version and commits the batches that fed the update.
+
+        Call it after every optimizer step, accepted or not (an unchanged version after a rejected update
+        still commits: the batch was used). Commits as :meth:`commit` does.
 
         Raises:
             ValueError: if ``version`` is lower than the current one.
         """
         self.pool.set_policy_version(version)
+        self.commit()
+
+    def commit(self) -> int:
+        """Marks every batch yielded so far as consumed, except the newest ``config.prefetch`` (fetched
+        ahead, not trained yet). Returns the number of groups consumed."""
+        n = 0
+        while len(self._uncommitted) > self.config.prefetch:
+            generation, epoch, prompts = self._uncommitted.popleft()
+            n += self.pool.commit(epoch, prompts, generation=generation)
+        return n
 
     def stats(self) -> dict[str, Any]:
-        """Counters of the pool, ledger and transport (for logs and metrics)."""
+        """Counters of the pool, ledger, transport and local workers (for logs and metrics)."""
         with self.pool.cond:
             pool = dict(self.pool.stats)
             ledger = dict(self.pool.ledger.counters)
@@ -163,6 +220,7 @@ class RolloutLoader(Loader[TrainBatch]):
             in_flight = self.pool.groups_in_flight
             buffered_bytes = self.pool.buffered_bytes
             epoch, consumed = self.pool.ledger.epoch, self.pool.ledger.num_consumed
+            skipped = self.pool.ledger.skipped  # poisoned prompts skipped this epoch: done, never consumed
         return {
             "epoch": epoch,
             "consumed": consumed,
@@ -173,6 +231,8 @@ class RolloutLoader(Loader[TrainBatch]):
             "pool": pool,
             "ledger": ledger,
             "transport": self.receiver.stats(),
+            "skipped": skipped,
+            "workers": self.launcher.stats() if self.launcher is not None else None,
         }
 
     def rejected_rollouts(self) -> list[dict[str, Any]]:
@@ -188,6 +248,13 @@ class RolloutLoader(Loader[TrainBatch]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _max_restarts(restart_workers: bool | int) -> int | None:
+    """``loader.restart_workers`` as the launcher's per-slot limit: True = None (unlimited), False = 0."""
+    if isinstance(restart_workers, bool):
+        return None if restart_workers else 0
+    return restart_workers
 
 
 def _close(receiver: RolloutReceiver, launcher: LocalWorkerLauncher | None) -> None:

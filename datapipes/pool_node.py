@@ -8,8 +8,10 @@ re-issue), buffered and partial groups, consumed watermark and policy version. I
 rollout not yet given to the trainer, so nothing above it may prefetch (see the torchdata notes:
 a Prefetcher over a live source loses what it buffered on restore).
 
-``reset(None)`` starts the next epoch (the first call starts epoch 0); ``reset(state)`` continues
-the saved run, in this process or a new one.
+``reset(None)`` starts the next epoch (the first call starts epoch 0), unless nothing was yielded
+since the last reset: an ``iter()`` that yields nothing (Lightning calls ``iter()`` to check a loader)
+does not advance or restart the epoch. ``reset(state)`` continues the saved run, in this process or a
+new one.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class RolloutPoolNode(BaseNode[Group]):
         self.wait_timeout_s = wait_timeout_s
         self.health_check = health_check
         self._epochs_started = 0
+        self._yielded_since_reset = 0
         self._next_check = 0.0
 
     def reset(self, initial_state: dict[str, Any] | None = None):
@@ -69,11 +72,14 @@ class RolloutPoolNode(BaseNode[Group]):
                     f"rollout pool node state version {initial_state.get(self.VERSION_KEY)!r} != {self.STATE_VERSION}"
                 )
             self.pool.load_state_dict(initial_state[self.POOL_KEY])
+        elif self._epochs_started and not self._yielded_since_reset and not self.pool.ledger.all_delivered:
+            return  # an iter() that yielded nothing: carry on with the epoch (and leases) as they are
         elif self._epochs_started == 0:
             self.pool.start_epoch(self.pool.ledger.epoch)
         else:
             self.pool.start_epoch(self.pool.ledger.epoch + 1)
         self._epochs_started += 1
+        self._yielded_since_reset = 0
         self.receiver.cancel_all()  # leases queued at workers belong to the abandoned timeline
 
     def _maybe_check_health(self, now: float) -> None:
@@ -87,6 +93,7 @@ class RolloutPoolNode(BaseNode[Group]):
             self._maybe_check_health(time.monotonic())
             group = self.pool.take(timeout=self.poll_timeout_s)  # raises StopIteration at epoch end
             if group is not None:
+                self._yielded_since_reset += 1
                 return group
             now = time.monotonic()
             if self.wait_timeout_s is not None and now - waited_since > self.wait_timeout_s:

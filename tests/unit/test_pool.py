@@ -52,6 +52,14 @@ def make_group(
     return group
 
 
+
+def take(pool: RolloutPool, timeout: float) -> Group | None:
+    """``pool.take`` as a plain training loop sees it: the update each group feeds is committed at once."""
+    g = pool.take(timeout=timeout)
+    if g is not None:
+        pool.commit(g.epoch, [g.prompt_index])
+    return g
+
 def make_pool(
     num_prompts: int = 8,
     *,
@@ -95,7 +103,7 @@ def drain(pool: RolloutPool, *, max_rounds: int = 1000) -> list[Group]:
             deliver(pool, lease)
         while True:
             try:
-                g = pool.take(timeout=0)
+                g = take(pool, timeout=0)
             except StopIteration:
                 return out
             if g is None:
@@ -158,7 +166,7 @@ def test_grant_respects_want_and_capacity():
     deliver(pool, leases[0])
     assert pool.groups_in_flight == 4
     assert pool.grant("w2", 10, now=0.0) == []
-    got = pool.take(timeout=0.05)
+    got = take(pool, timeout=0.05)
     assert got.prompt_index == leases[0].prompt_index
     assert pool.groups_in_flight == 3
     more = pool.grant("w2", 10, now=0.0)
@@ -192,7 +200,7 @@ def test_grant_capacity_exact_with_whole_groups():
             deliver(pool, lease)
         assert pool.groups_in_flight <= 3
         try:
-            pool.take(timeout=0)
+            take(pool, timeout=0)
         except StopIteration:
             break
     assert pool.peak["groups_in_flight"] == 3
@@ -206,7 +214,7 @@ def test_grant_stops_above_max_buffer_bytes():
     assert len(pool.grant("w", 1, now=0.0)) == 1  # nothing buffered yet
     deliver(pool, lease)
     assert pool.grant("w", 5, now=0.0) == []
-    pool.take(timeout=0)
+    take(pool, timeout=0)
     assert len(pool.grant("w", 1, now=0.0)) == 1
 
 
@@ -221,7 +229,7 @@ def test_whole_group_is_taken():
     assert pool.ledger.state_of(lease.prompt_index) is PromptState.BUFFERED
     assert pool.stats["groups_received"] == 1 and pool.stats["rollouts_received"] == 2
     assert pool.buffered_bytes == group.nbytes
-    got = pool.take(timeout=0.05)
+    got = take(pool, timeout=0.05)
     assert_groups_equal(group, got)
     assert pool.ledger.state_of(lease.prompt_index) is PromptState.CONSUMED
     assert pool.buffered_bytes == 0
@@ -234,7 +242,7 @@ def test_rollouts_of_a_group_in_any_order():
     (lease,) = pool.grant("w0", 1, now=0.0)
     group = make_group(0, lease.prompt_index, 3, 0)
     assert pool.add_rollouts(list(reversed(group.rollouts)), lease_id=lease.lease_id) == 3
-    got = pool.take(timeout=0.05)
+    got = take(pool, timeout=0.05)
     assert [r.sample_index for r in got.rollouts] == [0, 1, 2]
 
 
@@ -245,10 +253,10 @@ def test_duplicates_are_counted_and_not_yielded_twice():
     # the same group again, before and after the trainer took it
     assert pool.add_rollouts(group.rollouts, lease_id=lease.lease_id) == 0
     assert pool.stats["duplicate"] == 2
-    assert pool.take(timeout=0.05).group_id == group.group_id
+    assert take(pool, timeout=0.05).group_id == group.group_id
     assert pool.add_rollouts(group.rollouts, lease_id=lease.lease_id) == 0
     assert pool.stats["duplicate"] == 4
-    assert pool.take(timeout=0.05) is None
+    assert take(pool, timeout=0.05) is None
     assert pool.stats["groups_yielded"] == 1 and pool.stats["groups_received"] == 1
 
 
@@ -260,12 +268,12 @@ def test_duplicate_uid_within_partial_group():
     assert pool.add_rollouts([r0, r0], lease_id=lease.lease_id) == 1
     assert pool.add_rollouts([r0], lease_id=lease.lease_id) == 0
     assert pool.stats["duplicate"] == 2
-    assert pool.take(timeout=0.05) is None
+    assert take(pool, timeout=0.05) is None
     assert pool.add_rollouts(group.rollouts, lease_id=lease.lease_id) == 2
     assert pool.stats["duplicate"] == 3
-    got = pool.take(timeout=0.05)
+    got = take(pool, timeout=0.05)
     assert [r.uid for r in got.rollouts] == [r.uid for r in group.rollouts]
-    assert pool.take(timeout=0.05) is None
+    assert take(pool, timeout=0.05) is None
 
 
 def test_wrong_epoch_not_in_shard_and_bad_sample_index():
@@ -281,7 +289,7 @@ def test_wrong_epoch_not_in_shard_and_bad_sample_index():
     assert pool.add_rollouts([too_big], lease_id=lease.lease_id) == 0
     assert pool.stats["bad_sample_index"] == 1
     assert pool.ledger.state_of(lease.prompt_index) is PromptState.LEASED
-    assert pool.take(timeout=0.05) is None
+    assert take(pool, timeout=0.05) is None
 
 
 def test_group_in_two_halves_completes():
@@ -290,10 +298,10 @@ def test_group_in_two_halves_completes():
     group = make_group(0, lease.prompt_index, 4, 0)
     assert pool.add_rollouts(group.rollouts[:2], lease_id=lease.lease_id) == 2
     assert pool.ledger.state_of(lease.prompt_index) is PromptState.LEASED
-    assert pool.take(timeout=0.05) is None
+    assert take(pool, timeout=0.05) is None
     assert pool.add_rollouts(group.rollouts[2:], lease_id=lease.lease_id) == 2
     assert pool.ledger.state_of(lease.prompt_index) is PromptState.BUFFERED
-    assert_groups_equal(group, pool.take(timeout=0.05))
+    assert_groups_equal(group, take(pool, timeout=0.05))
 
 
 def test_group_completed_by_two_workers_after_expiry():
@@ -306,7 +314,7 @@ def test_group_completed_by_two_workers_after_expiry():
     assert second.prompt_index == first.prompt_index and second.attempt == 1
     pool.add_rollouts(make_group(0, first.prompt_index, 2, 0, worker_id="w1").rollouts, lease_id=second.lease_id)
     assert pool.stats["duplicate"] == 1
-    got = pool.take(timeout=0.05)
+    got = take(pool, timeout=0.05)
     assert [r.worker_id for r in got.rollouts] == ["w0", "w1"]
     assert pool.ledger.leases == {}
 
@@ -322,9 +330,9 @@ def test_superseded_lease_ids_rejected_after_new_epoch():
 
 def test_take_timeout_returns_none_when_empty():
     pool = make_pool()
-    assert pool.take(timeout=0.05) is None
+    assert take(pool, timeout=0.05) is None
     pool.grant("w0", 2, now=0.0)
-    assert pool.take(timeout=0.05) is None
+    assert take(pool, timeout=0.05) is None
 
 
 def test_take_raises_stop_iteration_at_epoch_end():
@@ -333,10 +341,10 @@ def test_take_raises_stop_iteration_at_epoch_end():
     assert len(leases) == 3
     for lease in leases:
         deliver(pool, lease)
-    got = [pool.take(timeout=0.05) for _ in range(3)]
+    got = [take(pool, timeout=0.05) for _ in range(3)]
     assert sorted(g.prompt_index for g in got) == [0, 1, 2]
     with pytest.raises(StopIteration):
-        pool.take(timeout=0.05)
+        take(pool, timeout=0.05)
     assert pool.grant("w0", 8, now=0.0) == []
 
 
@@ -345,14 +353,14 @@ def test_take_yields_in_arrival_order():
     leases = pool.grant("w0", 5, now=0.0)
     for lease in reversed(leases):
         deliver(pool, lease)
-    assert [pool.take(timeout=0).prompt_index for _ in range(5)] == [l.prompt_index for l in reversed(leases)]
+    assert [take(pool, timeout=0).prompt_index for _ in range(5)] == [l.prompt_index for l in reversed(leases)]
 
 
 def test_fail_makes_take_raise():
     pool = make_pool()
     pool.fail(OSError("boom"))
     with pytest.raises(RuntimeError) as exc:
-        pool.take(timeout=0.05)
+        take(pool, timeout=0.05)
     assert isinstance(exc.value.__cause__, OSError)
 
 
@@ -365,6 +373,7 @@ def test_set_policy_version_drops_stale_and_releases(k):
     pool = make_pool(num_prompts=10, capacity=10, max_staleness=k)
     leases = pool.grant("w0", 4, now=0.0)
     for v, lease in enumerate(leases):
+        pool.set_policy_version(v)  # a rollout is never newer than the trainer
         deliver(pool, lease, policy_version=v)  # versions 0..3
     pool.set_policy_version(3)
     stale = [l for v, l in enumerate(leases) if v < 3 - k]
@@ -380,13 +389,13 @@ def test_set_policy_version_drops_stale_and_releases(k):
     assert [l.prompt_index for l in again] == [l.prompt_index for l in stale]
     assert all(l.attempt == 1 for l in again)
     assert pool.ledger.counters["regenerated"] == len(stale)
-    got = [pool.take(timeout=0).prompt_index for _ in fresh]
+    got = [take(pool, timeout=0).prompt_index for _ in fresh]
     assert got == [l.prompt_index for l in fresh]
-    assert pool.take(timeout=0) is None
+    assert take(pool, timeout=0) is None
     # regenerated ones arrive fresh and are yielded
     for l in again:
         deliver(pool, l)
-    got = [pool.take(timeout=0) for _ in again]
+    got = [take(pool, timeout=0) for _ in again]
     assert [g.prompt_index for g in got] == [l.prompt_index for l in again]
     assert all(g.policy_version == 3 for g in got)
 
@@ -397,11 +406,11 @@ def test_take_drops_group_that_arrived_stale():
     a, b = pool.grant("w0", 2, now=0.0)
     deliver(pool, a, policy_version=3)  # 2 behind
     deliver(pool, b, policy_version=4)  # 1 behind
-    got = pool.take(timeout=0.05)
+    got = take(pool, timeout=0.05)
     assert got.prompt_index == b.prompt_index and got.policy_version == 4
     assert pool.stats["stale_dropped"] == 1
     assert pool.ledger.state_of(a.prompt_index) is PromptState.PENDING
-    assert pool.take(timeout=0.05) is None
+    assert take(pool, timeout=0.05) is None
     (again,) = pool.grant("w0", 1, now=0.0)
     assert again.prompt_index == a.prompt_index
 
@@ -413,7 +422,7 @@ def test_stale_by_oldest_rollout():
     g = make_group(0, lease.prompt_index, 2, 2)
     g.rollouts[1].policy_version = 1  # one rollout is older
     pool.add_rollouts(g.rollouts, lease_id=lease.lease_id)
-    assert pool.take(timeout=0) is None
+    assert take(pool, timeout=0) is None
     assert pool.stats["stale_dropped"] == 1
 
 
@@ -422,7 +431,7 @@ def test_unbounded_staleness_never_drops():
     (lease,) = pool.grant("w0", 1, now=0.0)
     deliver(pool, lease, policy_version=0)
     pool.set_policy_version(1000)
-    assert pool.take(timeout=0).prompt_index == lease.prompt_index
+    assert take(pool, timeout=0).prompt_index == lease.prompt_index
     assert pool.stats["stale_dropped"] == 0
 
 
@@ -491,7 +500,7 @@ def test_random_interleavings_keep_guarantees(k, capacity, seed, ops):
             pool.set_policy_version(tv)
         elif op == 3:
             try:
-                g = pool.take(timeout=0)
+                g = take(pool, timeout=0)
             except StopIteration:
                 finished = True
             else:
@@ -520,7 +529,7 @@ def test_random_interleavings_keep_guarantees(k, capacity, seed, ops):
         assert pool.groups_in_flight <= capacity
         while True:
             try:
-                g = pool.take(timeout=0)
+                g = take(pool, timeout=0)
             except StopIteration:
                 finished = True
                 break
@@ -547,7 +556,7 @@ def test_state_dict_roundtrip_into_new_pool():
     # a half-received group
     half = make_group(0, leases[4].prompt_index, 2, 1)
     pool.add_rollouts(half.rollouts[:1], lease_id=leases[4].lease_id)
-    taken = [pool.take(timeout=0) for _ in range(2)]
+    taken = [take(pool, timeout=0) for _ in range(2)]
     before = [g.prompt_index for g in taken]
     assert before == [l.prompt_index for l in leases[:2]]
     ready_before = {i: delivered[i] for i in (leases[2].prompt_index, leases[3].prompt_index)}
@@ -573,7 +582,7 @@ def test_state_dict_roundtrip_into_new_pool():
     # buffered groups survive, bit for bit, in order
     after = []
     for i, g in ready_before.items():
-        got = fresh.take(timeout=0)
+        got = take(fresh, timeout=0)
         assert_groups_equal(g, got)
         after.append(got.prompt_index)
 
@@ -583,7 +592,7 @@ def test_state_dict_roundtrip_into_new_pool():
     regen = make_group(0, leases[4].prompt_index, 2, 1, worker_id="w9")
     regen.rollouts[0].reward = 123.0  # distinguishable: must be dropped as a duplicate uid
     assert fresh.add_rollouts(regen.rollouts, lease_id=again[0].lease_id) == 1
-    g4 = fresh.take(timeout=0)
+    g4 = take(fresh, timeout=0)
     assert g4.prompt_index == leases[4].prompt_index
     assert g4.rollouts[0].reward == half.rollouts[0].reward
     assert torch.equal(g4.rollouts[0].response_ids, half.rollouts[0].response_ids)
@@ -594,7 +603,7 @@ def test_state_dict_roundtrip_into_new_pool():
     assert len(union) == len(set(union))
     assert sorted(union) == sorted(fresh.ledger.order) == list(range(10))
     with pytest.raises(StopIteration):
-        fresh.take(timeout=0)
+        take(fresh, timeout=0)
 
 
 def test_state_dict_roundtrip_through_codec():
@@ -608,7 +617,7 @@ def test_state_dict_roundtrip_through_codec():
     fresh = make_pool(num_prompts=6, group_size=3, capacity=6, start=False)
     fresh.load_state_dict(state)
     for g in groups:
-        assert_groups_equal(g, fresh.take(timeout=0))
+        assert_groups_equal(g, take(fresh, timeout=0))
     rest = drain(fresh)
     assert sorted([g.prompt_index for g in groups + rest]) == list(range(6))
 
@@ -622,7 +631,7 @@ def test_load_state_dict_rejects_other_group_size():
     with pytest.raises(ValueError, match="group_size"):
         other.load_state_dict(state)
     assert not other.active
-    bad = dict(state, version=2)
+    bad = dict(state, version=RolloutPool.STATE_VERSION + 1)
     with pytest.raises(ValueError, match="version"):
         make_pool(group_size=2, start=False).load_state_dict(bad)
 
@@ -643,7 +652,7 @@ def test_group_arriving_before_its_lease_is_not_leased_again():
     ahead = pool.ledger.order[-1]
     g = make_group(0, ahead, 2, 0)
     assert pool.add_rollouts(g.rollouts) == 2  # accepted: first complete group wins
-    assert pool.take(timeout=0).prompt_index == ahead
+    assert take(pool, timeout=0).prompt_index == ahead
     leases = pool.grant("w0", 4, now=0.0)
     assert ahead not in [l.prompt_index for l in leases]
 
@@ -679,7 +688,7 @@ class Driver:
 
     def take(self) -> Group | None:
         try:
-            g = self.pool.take(timeout=0)
+            g = take(self.pool, timeout=0)
         except StopIteration:
             self.finished = True
             return None
@@ -795,13 +804,13 @@ def test_ordered_pool_yields_in_ledger_order_whatever_the_arrival_order():
     assert [lease.prompt_index for lease in leases] == pool.ledger.order
     for lease in reversed(leases):  # the last leased arrives first
         pool.add_rollouts(make_group(0, lease.prompt_index, 2, 0).rollouts, lease_id=lease.lease_id)
-    assert [pool.take(0.01).prompt_index for _ in range(6)] == pool.ledger.order
+    assert [take(pool, 0.01).prompt_index for _ in range(6)] == pool.ledger.order
 
     pool = make_pool(num_prompts=3, capacity=3)
     pool.ordered = True
     first, second, _ = pool.grant("w0", 3, now=0.0)
     pool.add_rollouts(make_group(0, second.prompt_index, 2, 0).rollouts, lease_id=second.lease_id)
-    assert pool.take(0.05) is None, "the head of the order has not arrived: nothing may overtake it"
+    assert take(pool, 0.05) is None, "the head of the order has not arrived: nothing may overtake it"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -821,7 +830,7 @@ def test_synchronous_pool_leases_one_step_at_a_time():
     assert len(leases) == 2  # one step's groups, not the capacity's 16
     for lease in leases:
         deliver(pool, lease)
-    assert [pool.take(0) is not None for _ in range(2)] == [True, True]
+    assert [take(pool, 0) is not None for _ in range(2)] == [True, True]
     assert pool.grant("w", 8) == []  # training on version 0: anything leased now would arrive stale
     pool.set_policy_version(1)
     assert len(pool.grant("w", 8)) == 2
@@ -831,9 +840,9 @@ def test_rejected_update_does_not_deadlock_the_synchronous_pool():
     pool = fresh_pool(max_staleness=0, groups_per_step=2)
     for lease in pool.grant("w", 8):
         deliver(pool, lease)
-    pool.take(0), pool.take(0)
+    take(pool, 0), take(pool, 0)
     assert pool.grant("w", 8) == []
-    assert pool.take(0) is None  # the next step starts at the same version (update rejected) ...
+    assert take(pool, 0) is None  # the next step starts at the same version (update rejected) ...
     assert len(pool.grant("w", 8)) == 2  # ... and may lease its groups
 
 
@@ -844,7 +853,7 @@ def test_k_step_pool_keeps_in_flight_within_the_bound_and_nothing_goes_stale(k):
         for lease in pool.grant("w", 64):
             deliver(pool, lease)  # stamped with the version at grant time, as a worker that caught up
         assert pool.groups_in_flight <= (k + 1) * 2
-        assert pool.take(0) is not None and pool.take(0) is not None
+        assert take(pool, 0) is not None and take(pool, 0) is not None
         pool.set_policy_version(step + 1)
     assert pool.stats["stale_dropped"] == 0
 
