@@ -11,7 +11,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-__all__ = ["EngineConfig", "FaultConfig", "LoaderConfig", "TransportConfig", "WeightSyncConfig", "WorkerConfig", "from_dict", "to_dict"]
+__all__ = ["EngineConfig", "FaultConfig", "GateConfig", "LoaderConfig", "TransportConfig", "WeightSyncConfig", "WorkerConfig", "from_dict", "to_dict"]
 
 C = TypeVar("C")
 
@@ -40,6 +40,21 @@ class TransportConfig:
     """Z85 CURVE public key of the pool (workers need it as ``server_key``)."""
     allow_insecure_remote: bool = False
     """Allow binding a non-loopback address without CURVE (trusted networks only)."""
+    curve_allowed_keys: list[str] = field(default_factory=list)
+    """Pool side: Z85 CURVE public keys of the workers admitted (ZAP allow-list). With CURVE on, a worker
+    whose key is in neither this list nor ``curve_allowed_keys_file`` is refused at the handshake (counted)."""
+    curve_allowed_keys_file: str | None = None
+    """Pool side: a file of admitted worker public keys, one Z85 key per line (``#`` comments allowed); read
+    at start-up, added to ``curve_allowed_keys``."""
+    curve_allow_any_client: bool = False
+    """Pool side: with CURVE on and no allow-list, serve any client key (encryption without client
+    authentication). Off by default: such a pool is refused at construction."""
+    curve_client_secret_key: str | None = None
+    """Worker side: this worker's own Z85 CURVE secret key (its public key, derived from it, is what the pool's
+    allow-list names). None: ``curve_client_key_file``, else a throw-away key pair (refused by an allow-list)."""
+    curve_client_key_file: str | None = None
+    """Worker side: a file holding this worker's Z85 secret key (first non-comment line), as written by
+    ``asyncrl.transport.zmq_transport.write_curve_key_file``."""
 
     def __post_init__(self):
         if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
@@ -48,6 +63,37 @@ class TransportConfig:
             raise ValueError(f"{self.peer_timeout_s=} must exceed {self.heartbeat_s=} (several heartbeats per timeout)")
         if (self.curve_secret_key is None) != (self.curve_public_key is None):
             raise ValueError("set both transport.curve_secret_key and transport.curve_public_key, or neither")
+        for key in [*self.curve_allowed_keys, *filter(None, [self.curve_client_secret_key])]:
+            if not isinstance(key, str) or len(key) != 40:
+                raise ValueError(f"CURVE keys are 40-character Z85 strings; got {key!r:.60} in transport settings")
+
+
+@dataclass(kw_only=True, slots=True)
+class GateConfig:
+    """What the pool's gate admits from workers, beyond the wire format (``asyncrl.gate``)."""
+
+    max_abs_reward: float = 1e6
+    """Largest ``|reward|`` (and reward component) accepted; rewards must also be finite in float32, the
+    batch dtype (1e39 is finite in float64, inf in float32)."""
+    vocab_size: int | None = None
+    """Token ids (prompt and response) must be in ``[0, vocab_size)``; the recipe sets it from the model config.
+    None: only ``[0, 2**31)`` is checked."""
+    min_logprob: float = -1e4
+    """Smallest rollout logprob accepted (logprobs must also be <= 0, within ``logprob_tolerance``)."""
+    logprob_tolerance: float = 1e-4
+    """Logprobs up to this much above 0 are accepted (float rounding in engines)."""
+    max_slots_per_peer: int = 64
+    """Credits one worker may claim in HELLO; more are capped to this (a hoarding peer cannot stall an epoch)."""
+    max_peers: int = 256
+    """Most workers (identities) served at once by one pool; HELLOs beyond it are refused (counted)."""
+
+    def __post_init__(self):
+        if not self.max_abs_reward > 0 or self.min_logprob >= 0 or self.logprob_tolerance < 0:
+            raise ValueError(f"need {self.max_abs_reward=} > 0, {self.min_logprob=} < 0, {self.logprob_tolerance=} >= 0")
+        if self.vocab_size is not None and not 0 < self.vocab_size <= 2**31:
+            raise ValueError(f"gate.vocab_size={self.vocab_size} must be in [1, 2**31] (or None)")
+        if self.max_slots_per_peer < 1 or self.max_peers < 1:
+            raise ValueError(f"{self.max_slots_per_peer=} and {self.max_peers=} must be >= 1")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -207,6 +253,11 @@ class LoaderConfig:
     so no generation is wasted on groups that would arrive too stale, and ``max_staleness=0`` is truly
     synchronous. False: only ``capacity`` bounds generation; workers run ahead and stale groups are
     dropped and regenerated (counted). Needs ``set_policy_version`` after every optimizer step."""
+    prefetch: int = 0
+    """Batches your loop fetches ahead of the one it trains: 0 for a plain ``for batch in loader`` loop, 1 for
+    PyTorch Lightning (it fetches the next batch before training the current one). A yielded batch counts
+    as consumed only once the update it fed is committed (``set_policy_version``/``commit``), and staleness
+    is judged at the version it will be trained at; must be <= ``max_staleness``."""
     ordered: bool = False
     """Yield groups in the ledger's (seeded) order rather than as they arrive: reproducible batches, at the
     cost of head-of-line blocking behind the slowest group."""
@@ -221,8 +272,25 @@ class LoaderConfig:
     num_workers: int = 0
     """Local worker processes this rank starts (like ``DataLoader(num_workers=N)``); 0 = workers are
     started elsewhere with ``asyncrl worker --connect ADDR``."""
-    restart_workers: bool = True
-    """Restart local workers that die (their leases are re-issued either way)."""
+    restart_workers: bool | int = True
+    """Restart local workers that die (their leases are re-issued either way): True = always, False or 0 =
+    never, n = at most n restarts per worker slot (then the slot stays empty; with every slot empty
+    ``next()`` raises). Restarts of one slot back off exponentially (``restart_backoff_s``)."""
+    restart_backoff_s: float = 1.0
+    """Wait before restarting a worker slot after its first death; doubled for each further death of a worker
+    that ran less than ``restart_backoff_max_s``, up to ``restart_backoff_max_s`` (a longer run resets it)."""
+    restart_backoff_max_s: float = 60.0
+    """Longest wait between restarts of a slot; a worker that stayed up this long resets its slot's backoff."""
+    max_prompt_failures: int | None = 3
+    """A prompt whose leases come back FAILED (engine or reward error) this many times in an epoch is
+    poisoned (``on_poisoned_prompt``); None = re-issue it forever."""
+    on_poisoned_prompt: Literal["raise", "skip"] = "raise"
+    """``raise``: ``next(loader)`` raises ``PoisonedPromptError`` naming the prompt (epoch, index), the count
+    and the worker's error; ``skip``: the prompt is skipped for the epoch, never trained, and counted
+    (``stats()["pool"]["skipped_poisoned"]``, the prompts in ``stats()["skipped"]``)."""
+    prompt_failure_backoff_s: float = 0.5
+    """A failed prompt is leased again after this many seconds, doubled per failed attempt (at most 30 s), so
+    a prompt that always fails does not spin a worker; 0 = at once."""
     serve_all_ranks: bool = True
     """With a process group, local workers connect to every rank's pool (M:N); else only to this rank's."""
     poll_timeout_s: float = 1.0
@@ -230,6 +298,8 @@ class LoaderConfig:
     wait_timeout_s: float | None = None
     """Raise if no group arrives for this long (None = wait forever, e.g. for remote workers)."""
     transport: TransportConfig = field(default_factory=TransportConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
+    """What the pool admits from workers: value ranges, per-peer caps (``asyncrl.gate``)."""
     worker: WorkerConfig = field(default_factory=WorkerConfig)
 
     def __post_init__(self):
@@ -239,6 +309,19 @@ class LoaderConfig:
             raise ValueError(f"{self.max_staleness=} must be >= 0, or None for unbounded")
         if self.capacity < 1:
             raise ValueError(f"{self.capacity=} must be >= 1")
+        if not isinstance(self.restart_workers, (bool, int)) or self.restart_workers < 0:
+            raise ValueError(f"loader.restart_workers={self.restart_workers!r} must be True (always), False or 0 "
+                             "(never), or a number of restarts per worker slot >= 0")
+        if not 0 <= self.restart_backoff_s <= self.restart_backoff_max_s:
+            raise ValueError(f"need 0 <= {self.restart_backoff_s=} <= {self.restart_backoff_max_s=}")
+        if self.max_prompt_failures is not None and self.max_prompt_failures < 1:
+            raise ValueError(f"{self.max_prompt_failures=} must be >= 1, or None to re-issue failed prompts forever")
+        if self.on_poisoned_prompt not in ("raise", "skip") or self.prompt_failure_backoff_s < 0:
+            raise ValueError(f"need {self.on_poisoned_prompt=} in ('raise', 'skip') and "
+                             f"{self.prompt_failure_backoff_s=} >= 0")
+        if self.prefetch < 0 or (self.max_staleness is not None and self.prefetch > self.max_staleness):
+            raise ValueError(f"{self.prefetch=} must be in [0, {self.max_staleness=}]: a consumer that fetches p "
+                             "batches ahead trains each one up to p versions after it is taken")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
