@@ -14,10 +14,23 @@ Who blocks on what:
   heartbeats, leases and cancels; the worker's main thread blocks only in :meth:`take_leases` and
   hands finished groups to the I/O thread over an ``inproc`` PUSH/PULL pair (zero-copy).
 
-Credit-based flow control: a worker announces ``slots`` in HELLO; the pool keeps at most that many
-leases outstanding per worker and at most ``capacity`` groups in flight overall, so a stalled
-trainer stops generation. Delivery is at-least-once (a lease can be re-issued); the pool
-deduplicates by uid.
+Credit-based flow control: a worker announces ``slots`` in HELLO (capped at ``gate.max_slots_per_peer``);
+the pool keeps at most that many leases outstanding per worker and at most ``capacity`` groups in
+flight overall, so a stalled trainer stops generation. Delivery is at-least-once (a lease can be
+re-issued); the pool deduplicates by uid.
+
+The gate (every refusal counted by reason in :meth:`ZmqRolloutReceiver.stats`): a group is accepted
+only from a worker that holds or held a lease for its prompt in this epoch (``not_leased_to_peer``)
+and only within :mod:`asyncrl.gate`'s ranges (``gate_*``); a HELLO cannot evict a live worker by
+reusing its id (``hello_refused_id_in_use``) and at most ``gate.max_peers`` workers are served
+(``hello_refused_max_peers``); a peer that became unroutable is dropped at once. With CURVE, only the
+worker keys of ``transport.curve_allowed_keys[_file]`` pass the ZAP handshake (``curve_keys_refused``).
+ZeroMQ drops a connection whose frame exceeds ``max_message_bytes`` without saying why; a socket
+monitor counts every ended connection (``connections_dropped``) and failed handshake.
+
+Shutdown: the pool sends SHUTDOWN to every worker it greeted and reads the socket until each answers
+BYE (at most ``SHUTDOWN_ACK_S``) before closing it; closing a TCP connection with unread input sends
+RST, which discards a SHUTDOWN the worker's side had not read yet.
 """
 
 from __future__ import annotations
@@ -37,15 +50,24 @@ from urllib.parse import urlsplit
 
 import zmq
 
+from asyncrl._logging import Throttle
 from asyncrl.codec import DecodeError, decode, encode
-from asyncrl.config import TransportConfig
+from asyncrl.config import GateConfig, TransportConfig
+from asyncrl.gate import GateError, check_group
 from asyncrl.pool import RolloutPool
 from asyncrl.rollout import Group, Rollout
 from asyncrl.transport import protocol as P
 from asyncrl.transport._zmq_util import drain
 from asyncrl.transport.base import HandshakeTimeout, PeerLost, ReceivedLease, RolloutReceiver, RolloutSender
 
-__all__ = ["ZmqRolloutReceiver", "ZmqRolloutSender", "check_bind_address", "generate_curve_keys"]
+__all__ = [
+    "ZmqRolloutReceiver",
+    "ZmqRolloutSender",
+    "check_bind_address",
+    "generate_curve_keys",
+    "read_curve_keys_file",
+    "write_curve_key_file",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +78,85 @@ MAX_DRAIN = 256
 KEEP_REJECTED = 4
 """Rollouts refused by validation kept for the debugger (the last few, each at most KEEP_REJECTED_BYTES)."""
 KEEP_REJECTED_BYTES = 1 << 20
+EVICT_AFTER_HEARTBEATS = 2.5
+"""A HELLO reusing a connected worker's id evicts that worker only once it has been silent this many
+``heartbeat_s`` (a restarted process takes seconds to start); otherwise the newcomer is refused."""
+GREETED_PER_PEER = 4
+"""Identities remembered for SHUTDOWN and late groups: at most this many times ``gate.max_peers``."""
+SHUTDOWN_ACK_S = 2.0
+"""Longest a closing pool waits for its workers' BYE after SHUTDOWN (it reads the socket meanwhile)."""
+_MONITOR_EVENTS = {
+    zmq.EVENT_ACCEPTED: "connections_accepted",
+    zmq.EVENT_DISCONNECTED: "connections_dropped",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshakes_failed",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshakes_failed_protocol",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshakes_failed_auth",
+}
 
 
 def generate_curve_keys() -> tuple[str, str]:
     """A new CURVE ``(public, secret)`` key pair, Z85 text."""
     public, secret = zmq.curve_keypair()
     return public.decode(), secret.decode()
+
+
+def write_curve_key_file(path: str) -> str:
+    """Writes a new CURVE secret key to ``path`` (mode 0600, for ``transport.curve_client_key_file`` or
+    ``asyncrl worker --client-key-file``); returns its public key, the one to put in the pool's allow-list."""
+    public, secret = generate_curve_keys()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"# asyncrl worker CURVE secret key; public key: {public}\n{secret}\n")
+    return public
+
+
+def read_curve_keys_file(path: str) -> list[str]:
+    """The Z85 keys of a key file: one per line, blank lines and ``#`` comments ignored.
+
+    Raises:
+        ValueError: naming the file and line of a key that is not 40 Z85 characters.
+    """
+    keys = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            key = line.split("#", 1)[0].strip()
+            if not key:
+                continue
+            if len(key) != 40:
+                raise ValueError(f"{path}:{n}: a CURVE key is 40 Z85 characters, got {len(key)}")
+            keys.append(key)
+    return keys
+
+
+def _client_secret_key(config: TransportConfig) -> str | None:
+    if config.curve_client_secret_key is not None:
+        return config.curve_client_secret_key
+    if config.curve_client_key_file is not None:
+        keys = read_curve_keys_file(config.curve_client_key_file)
+        if not keys:
+            raise ValueError(f"transport.curve_client_key_file={config.curve_client_key_file!r} holds no key")
+        return keys[0]
+    return None
+
+
+def _allowed_keys(config: TransportConfig) -> frozenset[str]:
+    keys = list(config.curve_allowed_keys)
+    if config.curve_allowed_keys_file is not None:
+        keys += read_curve_keys_file(config.curve_allowed_keys_file)
+    return frozenset(keys)
+
+
+class _AllowList:
+    """ZAP credentials provider (``zmq.auth``): admits the listed CURVE client keys, counts the rest."""
+
+    def __init__(self, keys: frozenset[str], count: Callable[[str], None]):
+        self.keys = keys
+        self.count = count
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        ok = key.decode("ascii", "replace") in self.keys
+        self.count("curve_keys_admitted" if ok else "curve_keys_refused")
+        return ok
 
 
 def check_bind_address(config: TransportConfig) -> None:
@@ -109,6 +204,11 @@ class ZmqRolloutReceiver(RolloutReceiver):
         prompt_fn: ``prompt_index -> prompt`` (msgpack-able), sent with each lease.
         rank: the trainer rank of the pool.
         world_size: number of trainer ranks.
+        gate: what is admitted from workers (ranges, per-peer caps); default :class:`GateConfig`.
+
+    Raises:
+        ValueError: for a non-loopback bind without CURVE, or a CURVE pool without an allow-list of worker
+            keys (``transport.curve_allowed_keys[_file]``, or ``transport.curve_allow_any_client``).
     """
 
     def __init__(
@@ -119,8 +219,17 @@ class ZmqRolloutReceiver(RolloutReceiver):
         *,
         rank: int = 0,
         world_size: int = 1,
+        gate: GateConfig | None = None,
     ):
         check_bind_address(config)
+        self._allowed = _allowed_keys(config)
+        if config.curve_secret_key is not None and not self._allowed and not config.curve_allow_any_client:
+            raise ValueError(
+                "a CURVE pool needs an allow-list of worker public keys: set transport.curve_allowed_keys or "
+                "transport.curve_allowed_keys_file (asyncrl.transport.zmq_transport.write_curve_key_file makes a "
+                "worker's key), or transport.curve_allow_any_client=True to serve any key"
+            )
+        self.gate = gate or GateConfig()
         self.config = config
         self.pool = pool
         self.prompt_fn = prompt_fn
@@ -138,8 +247,11 @@ class ZmqRolloutReceiver(RolloutReceiver):
         self._counters: collections.Counter[str] = collections.Counter()
         self._recent_errors: collections.deque[tuple[str, str]] = collections.deque(maxlen=32)
         self._rejected: collections.deque[dict[str, Any]] = collections.deque(maxlen=KEEP_REJECTED)
+        self._throttle = Throttle(logger)  # repeated warnings (a prompt failing on every worker)
         self._peers: dict[bytes, _Peer] = {}
-        self._greeted: set[bytes] = set()  # identities that said HELLO (I/O thread only)
+        # identity -> worker id of every identity welcomed, oldest first, bounded (I/O thread only)
+        self._greeted: collections.OrderedDict[bytes, str] = collections.OrderedDict()
+        self._unroutable: set[bytes] = set()  # identities whose last send failed as unroutable (I/O thread)
         self._finalizer = weakref.finalize(self, _stop_thread, self._stop)
 
     # -- public --------------------------------------------------------------------------------
@@ -210,41 +322,94 @@ class ZmqRolloutReceiver(RolloutReceiver):
         sock.bind(self.config.bind)
         return sock
 
+    def _start_auth(self) -> Any:
+        """The ZAP handler of a CURVE pool (before bind: libzmq asks it at every CURVE handshake)."""
+        if self.config.curve_secret_key is None:
+            return None
+        from zmq.auth.thread import ThreadAuthenticator
+
+        auth = ThreadAuthenticator(self._ctx, log=logging.getLogger(f"{__name__}.zap"))
+        auth.start()
+        if self._allowed:
+            auth.configure_curve_callback("*", credentials_provider=_AllowList(self._allowed, self._count))
+        else:  # transport.curve_allow_any_client: encryption without client authentication
+            auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
+        return auth
+
     def _run(self) -> None:
+        auth = monitor = None
         try:
+            auth = self._start_auth()
             sock = self._open()
+            monitor = sock.get_monitor_socket(sum(_MONITOR_EVENTS))
             self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         except Exception as e:  # reported to start() in the caller's thread
             self._start_error = e
             self._ready.set()
+            if auth is not None:
+                auth.stop()
             return
         self._ready.set()
         try:
-            self._loop(sock)
+            self._loop(sock, monitor)
         except BaseException as e:  # thread boundary: the trainer's next() re-raises it
             logger.exception("rank %d: rollout receiver died", self.rank)
             self.pool.fail(e)
         finally:
-            said_goodbye = False
-            if self._shutdown_workers:
-                # every worker that ever said HELLO, including ones reaped after a late heartbeat that
-                # would re-join: unroutable identities fail fast (ROUTER_MANDATORY)
-                for identity in self._greeted | set(self._peers):
-                    said_goodbye |= self._send(sock, identity, P.SHUTDOWN, {})
-            # linger=0 would drop SHUTDOWNs still queued in libzmq (seen: a worker left waiting, then
-            # exiting with PeerLost); give them a bounded moment to leave.
+            said_goodbye = self._say_shutdown(sock) if self._shutdown_workers else False
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            # linger=0 would drop SHUTDOWNs still queued in libzmq; give them a bounded moment to leave.
             sock.close(linger=SHUTDOWN_LINGER_MS if said_goodbye else 0)
+            if auth is not None:
+                auth.stop()
 
-    def _loop(self, sock: zmq.Socket) -> None:
+    def _say_shutdown(self, sock: zmq.Socket) -> bool:
+        """SHUTDOWN to every worker greeted (reaped ones included: they may re-join) and to any identity heard
+        from meanwhile (a worker whose connection was re-made), then reads the socket until each answers BYE,
+        at most ``SHUTDOWN_ACK_S``. Reading matters: a TCP connection closed with unread input sends RST, and
+        the RST discards a SHUTDOWN the worker had not read yet (seen under load: the worker waited, then
+        exited with PeerLost). Returns whether any SHUTDOWN left."""
+        told = {identity for identity in [*self._greeted, *self._peers] if self._send(sock, identity, P.SHUTDOWN, {})}
+        waiting = set(told)
+        deadline = time.monotonic() + SHUTDOWN_ACK_S
+
+        def on_message(frames: list[zmq.Frame]) -> None:
+            identity = frames[0].bytes
+            try:
+                kind, _ = decode(frames[1:], max_message_bytes=self.config.max_message_bytes)
+            except DecodeError:
+                return
+            if kind == P.BYE:
+                waiting.discard(identity)
+            elif identity not in told and len(told) < GREETED_PER_PEER * self.gate.max_peers:
+                if self._send(sock, identity, P.SHUTDOWN, {}):
+                    told.add(identity)
+                    waiting.add(identity)
+
+        while waiting and (remaining := deadline - time.monotonic()) > 0:
+            if sock.poll(max(1, int(min(remaining, 0.05) * 1000))):
+                drain(sock, on_message, MAX_DRAIN)
+        self._count("shutdown_unacknowledged", len(waiting))
+        return bool(told)
+
+    def _loop(self, sock: zmq.Socket, monitor: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         next_heartbeat = next_housekeeping = 0.0
         while not self._stop.is_set():
-            if sock.poll(int(TICK_S * 1000)):
+            events = dict(poller.poll(int(TICK_S * 1000)))
+            if sock in events:
                 drain(sock, lambda frames: self._handle(sock, frames), MAX_DRAIN)
+            if monitor in events:
+                drain(monitor, self._monitor_event, MAX_DRAIN)
             now = time.monotonic()
             if self._cancel.is_set():
                 self._cancel.clear()
+                # only leases older than the pool's timeline: ones granted since the reset stay valid
                 for identity in list(self._peers):
-                    self._send(sock, identity, P.CANCEL, {})
+                    self._send(sock, identity, P.CANCEL, {"min_lease_id": self.pool.min_lease_id})
             if now >= next_housekeeping:  # deadlines are seconds; no need to scan every pass
                 next_housekeeping = now + HOUSEKEEPING_S
                 self._count("leases_expired", len(self.pool.expire(now)))
@@ -254,6 +419,13 @@ class ZmqRolloutReceiver(RolloutReceiver):
                 for identity in list(self._peers):
                     self._send(sock, identity, P.HEARTBEAT, {"policy_version": self.pool.policy_version})
             self._grant(sock, now)
+            self._drop_unroutable()
+
+    def _monitor_event(self, frames: list[zmq.Frame]) -> None:
+        event = int.from_bytes(frames[0].bytes[:2], "little")
+        name = _MONITOR_EVENTS.get(event)
+        if name is not None:
+            self._count(name)
 
     def _send(self, sock: zmq.Socket, identity: bytes, kind: str, body: dict[str, Any]) -> bool:
         try:
@@ -261,8 +433,19 @@ class ZmqRolloutReceiver(RolloutReceiver):
             return True
         except (zmq.Again, zmq.ZMQError) as e:  # peer gone (ROUTER_MANDATORY) or its queue is full
             self._count(f"send_failed_{kind}")
+            if isinstance(e, zmq.ZMQError) and e.errno == zmq.EHOSTUNREACH:
+                self._unroutable.add(identity)  # its connection is gone: dropped after this pass
             logger.debug("rank %d: cannot send %s to %s: %s", self.rank, kind, identity.hex(), e)
             return False
+
+    def _drop_unroutable(self) -> None:
+        """Peers whose connection is gone are dropped at once (their leases re-issued), and forgotten."""
+        for identity in self._unroutable:
+            self._greeted.pop(identity, None)
+            if identity in self._peers:
+                self._count("peers_unroutable")
+                self._drop_peer(identity, "workers_lost")
+        self._unroutable.clear()
 
     def _handle(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
         identity = frames[0].bytes
@@ -283,9 +466,11 @@ class ZmqRolloutReceiver(RolloutReceiver):
             self._group(sock, identity, peer, body)
         elif kind == P.FAILED:
             self._count("leases_failed")
-            logger.warning("rank %d: worker failed lease %d: %s", self.rank, body["lease_id"], body["error"][:500])
-            if peer is not None:
-                self.pool.release_held(body["lease_id"], peer.worker_id, "failed")
+            who = peer.worker_id if peer is not None else identity.hex()
+            self._throttle.warning("failed", "rank %d: worker %s failed lease %d: %s", self.rank, who,
+                                   body["lease_id"], body["error"][:500])
+            if peer is not None:  # counted against the prompt; poisoned after loader.max_prompt_failures
+                self.pool.lease_failed(body["lease_id"], peer.worker_id, body["error"][:2000])
         elif kind == P.BYE:
             if peer is not None:
                 self._drop_peer(identity, "worker_left")
