@@ -5,17 +5,26 @@ threads do not survive fork) that connects to the given pool endpoints. The laun
 workers that die (their leases are re-issued by the pool either way) and ends only the processes
 it started, by pid: SIGTERM, then SIGKILL after a grace period. Workers also exit on their own
 when the launcher's process disappears.
+
+Restarts are supervised from the trainer's thread (:meth:`LocalWorkerLauncher.poll`, called between
+waits for groups; it never blocks): a slot whose worker died is restarted after ``backoff_s``,
+doubled for each further death of a worker that ran less than ``backoff_max_s`` (a worker that
+stayed up that long resets the slot's backoff), at most ``max_restarts`` times per slot (None:
+always). Every death, delay and restart is logged and counted in :meth:`~LocalWorkerLauncher.stats`.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import signal
 import subprocess
 import sys
+import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from asyncrl.codec import dumps_json
 from asyncrl.config import TransportConfig, WorkerConfig, to_dict
@@ -34,8 +43,11 @@ class LocalWorkerLauncher:
         worker: worker config (engine, reward, credits).
         transport: transport config (timeouts, limits).
         name: prefix of worker ids (``{name}-{i}``).
-        max_restarts: restarts per worker slot before giving up on it.
+        max_restarts: restarts per worker slot before giving up on it; None = unlimited.
+        backoff_s: wait before the first restart of a slot; doubled per further quick death.
+        backoff_max_s: longest wait; a worker up for this long resets its slot's backoff.
         env: extra environment variables for the workers.
+        clock: monotonic seconds (tests pass a fake).
     """
 
     def __init__(
@@ -46,18 +58,35 @@ class LocalWorkerLauncher:
         transport: TransportConfig,
         *,
         name: str = "w",
-        max_restarts: int = 3,
+        max_restarts: int | None = None,
+        backoff_s: float = 1.0,
+        backoff_max_s: float = 60.0,
         env: dict[str, str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
+        if max_restarts is not None and max_restarts < 0:
+            raise ValueError(f"{max_restarts=} must be >= 0 (or None: unlimited)")
+        if not 0 <= backoff_s <= backoff_max_s:
+            raise ValueError(f"need 0 <= {backoff_s=} <= {backoff_max_s=}")
         self.endpoints = list(endpoints)
         self.num_workers = num_workers
         self.worker = worker
         self.transport = transport
         self.name = name
         self.max_restarts = max_restarts
+        self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+        self.clock = clock
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
         self.procs: list[subprocess.Popen | None] = [None] * num_workers
         self.restarts = [0] * num_workers
+        """Restarts used per slot."""
+        self.deaths = [0] * num_workers
+        self._streak = [0] * num_workers  # quick deaths in a row per slot (the backoff exponent)
+        self._started_at = [0.0] * num_workers
+        self._restart_at: list[float | None] = [None] * num_workers  # scheduled restart per slot
+        self.restart_delays: list[collections.deque[float]] = [collections.deque(maxlen=32) for _ in range(num_workers)]
+        """The last waits (seconds) scheduled before restarting each slot."""
         self._finalizer = weakref.finalize(self, _terminate, self.procs)
 
     def _argv(self, i: int) -> list[str]:
@@ -72,6 +101,7 @@ class LocalWorkerLauncher:
             self._spawn(i)
 
     def _spawn(self, i: int) -> None:
+        self._started_at[i] = self.clock()
         self.procs[i] = subprocess.Popen(self._argv(i), env=self.env, stdin=subprocess.DEVNULL)
         logger.info("started worker %s-%d (pid %d)", self.name, i, self.procs[i].pid)
 
@@ -80,17 +110,65 @@ class LocalWorkerLauncher:
         return [p.pid if p is not None else None for p in self.procs]
 
     def poll(self, restart: bool = True) -> list[tuple[int, int]]:
-        """Finds workers that exited; restarts them (up to ``max_restarts``). Returns ``[(slot, returncode)]``."""
+        """Finds workers that exited and schedules their restarts; starts those now due. Never blocks.
+
+        Args:
+            restart: False: record deaths but restart nothing (any restart scheduled stays due).
+
+        Returns:
+            ``[(slot, returncode)]`` of the workers found dead by this call.
+        """
+        now = self.clock()
         dead = []
         for i, p in enumerate(self.procs):
             if p is not None and p.poll() is not None:
                 dead.append((i, p.returncode))
-                logger.warning("worker %s-%d (pid %d) exited with %s", self.name, i, p.pid, p.returncode)
                 self.procs[i] = None
-                if restart and self.restarts[i] < self.max_restarts:
-                    self.restarts[i] += 1
-                    self._spawn(i)
+                self.deaths[i] += 1
+                if restart and (self.max_restarts is None or self.restarts[i] < self.max_restarts):
+                    delay = self._backoff(i, ran_s=now - self._started_at[i])
+                    self._restart_at[i] = now + delay
+                    self.restart_delays[i].append(delay)
+                    logger.warning("worker %s-%d (pid %d) exited with %s after %.1f s; restart %d of %s in %.1f s",
+                                   self.name, i, p.pid, p.returncode, now - self._started_at[i], self.restarts[i] + 1,
+                                   "unlimited" if self.max_restarts is None else self.max_restarts, delay)
+                else:
+                    logger.warning("worker %s-%d (pid %d) exited with %s; not restarted (%d restarts used of %s)",
+                                   self.name, i, p.pid, p.returncode, self.restarts[i], self.max_restarts)
+        for i, due in enumerate(self._restart_at):
+            if restart and due is not None and due <= now and self.procs[i] is None:
+                self._restart_at[i] = None
+                self.restarts[i] += 1
+                self._spawn(i)
         return dead
+
+    def _backoff(self, i: int, ran_s: float) -> float:
+        """The wait before restarting slot ``i`` whose worker ran ``ran_s`` seconds; advances its streak."""
+        if ran_s >= self.backoff_max_s:
+            self._streak[i] = 0  # it stayed up a while: a fresh failure, not a crash loop
+        delay = min(self.backoff_s * 2.0 ** self._streak[i], self.backoff_max_s)
+        self._streak[i] += 1
+        return delay
+
+    @property
+    def pending_restarts(self) -> list[int]:
+        """Slots whose worker is dead with a restart scheduled."""
+        return [i for i, due in enumerate(self._restart_at) if due is not None]
+
+    def recoverable(self) -> bool:
+        """True while some worker is alive or a restart is scheduled."""
+        return self.alive() > 0 or bool(self.pending_restarts)
+
+    def stats(self) -> dict[str, Any]:
+        """Worker supervision counters (``loader.stats()["workers"]``)."""
+        return {
+            "alive": self.alive(),
+            "deaths": list(self.deaths),
+            "restarts": list(self.restarts),
+            "max_restarts": self.max_restarts,
+            "pending_restarts": self.pending_restarts,
+            "last_restart_delay_s": [d[-1] if d else None for d in self.restart_delays],
+        }
 
     def alive(self) -> int:
         return sum(p is not None and p.poll() is None for p in self.procs)

@@ -12,8 +12,10 @@ The main thread blocks only in ``take_leases`` (waiting for credits), in the eng
 applying a staged weight update. Version fencing: a version is applied only once all of it is
 staged and verified, and only at a safe point between generation batches, so every completion
 carries the version whose weights produced it (the engine reports it). A lease the worker cannot
-finish (engine or reward error) is reported as FAILED so the pool re-issues it at once; the worker
-carries on. It exits when every pool says SHUTDOWN, when every pool goes silent for
+finish (engine or reward error) is reported as FAILED with the error text; the worker carries on.
+When a batch of several leases fails, each lease is generated again on its own, so one bad prompt
+does not fail its batch-mates (the pool counts failures per prompt and poisons a prompt that keeps
+failing, :mod:`asyncrl.poison`). Repeated warnings are throttled (:class:`asyncrl._logging.Throttle`). It exits when every pool says SHUTDOWN, when every pool goes silent for
 ``transport.peer_timeout_s``, or when its parent process (the local launcher) is gone.
 """
 
@@ -26,6 +28,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
+from asyncrl._logging import Throttle
 from asyncrl.config import FaultConfig, TransportConfig, WorkerConfig
 from asyncrl.rollout import Group, Rollout, make_group_id
 from asyncrl.transport import ReceivedLease, RolloutSender, setup_rollout_sender
@@ -82,6 +85,9 @@ class RolloutWorker:
         self.rollouts_sent = 0
         self.tokens_generated = 0
         self.weight_failures = 0
+        self.lease_failures = 0
+        """Leases reported FAILED (each failed alone, after its batch failed)."""
+        self._throttle = Throttle(logger)  # a failure that repeats logs a few lines, then one per interval
         self.busy_s = 0.0
         """Seconds spent generating and rewarding (the rest of ``uptime_s`` the worker waited for leases or weights)."""
         self.weight_apply_s = 0.0
@@ -109,6 +115,8 @@ class RolloutWorker:
             "busy_s": round(self.busy_s, 4),
             "weight_apply_s": round(self.weight_apply_s, 4),
             "uptime_s": round(time.perf_counter() - self.started, 4),
+            "leases_failed": self.lease_failures,
+            "log_lines_suppressed": self._throttle.suppressed_total,
         }
         if self.weights is not None:
             failures = self.weights.stats().get("failures", 0)
@@ -132,7 +140,8 @@ class RolloutWorker:
                 self.engine.apply_weights(update)
         except Exception:  # deliberate fault tolerance: keep generating with the version we have
             self.weight_failures += 1
-            logger.exception("worker %s: applying weights of version %d failed", self.worker_id, update.version)
+            self._throttle.error("weights_failed", "worker %s: applying weights of version %d failed",
+                                 self.worker_id, update.version, exc_info=True)
             return False
         finally:
             self.weight_apply_s += time.perf_counter() - t0
@@ -158,6 +167,7 @@ class RolloutWorker:
             for lease in leases
         ]
         t0 = time.perf_counter()
+        failure: Exception | None = None
         try:
             if self.environment is not None:
                 completions = run_episodes(self.engine, self.environment, requests)
@@ -173,20 +183,34 @@ class RolloutWorker:
                 completions = self.engine.generate(requests)
             t1 = time.perf_counter()
             groups = [self._group(lease, cs, t1 - t0) for lease, cs in zip(leases, completions)]
-        except Exception as e:  # deliberate fault tolerance: report the batch, keep serving
-            logger.exception("worker %s: batch of %d leases failed", self.worker_id, len(leases))
-            error = "".join(traceback.format_exception_only(type(e), e)).strip()
-            for lease in leases:
-                self.sender.send_failed(lease, error)
-            return
+        except Exception as e:  # deliberate fault tolerance: report the failure, keep serving
+            failure = e
         finally:
             self.busy_s += time.perf_counter() - t0
+        if failure is not None:
+            self._failed(leases, failure)
+            return
         for lease, group in zip(leases, groups):
             self.sender.send_group(lease, group)
             self.groups_sent += 1
             self.rollouts_sent += len(group.rollouts)
             self.tokens_generated += sum(int(r.response_ids.numel()) for r in group.rollouts)
         self._report()
+
+    def _failed(self, leases: Sequence[ReceivedLease], error: Exception) -> None:
+        """Reports a failed lease to its pool; a failed batch of several is retried lease by lease first."""
+        text = "".join(traceback.format_exception_only(type(error), error)).strip()
+        if len(leases) > 1:
+            self._throttle.warning("batch_failed", "worker %s: batch of %d leases failed (%s); generating them one "
+                                   "at a time", self.worker_id, len(leases), text[:300])
+            for lease in leases:
+                self.step([lease])
+            return
+        lease = leases[0]
+        self.lease_failures += 1
+        self._throttle.warning("lease_failed", "worker %s: lease %d (prompt %d of epoch %d) failed",
+                               self.worker_id, lease.lease_id, lease.prompt_index, lease.epoch, exc_info=error)
+        self.sender.send_failed(lease, text)
 
     def _group(self, lease: ReceivedLease, completions: list[Completion], generate_s: float) -> Group:
         t0 = time.perf_counter()
