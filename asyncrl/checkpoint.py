@@ -1,0 +1,186 @@
+"""Checkpoint directories a kill cannot break: ``run_dir/checkpoints/step-N`` and the ``latest`` pointer.
+
+A save (rank 0 drives the directory; every rank writes its files into the staging directory between
+two barriers)::
+
+    stage   .step-N.tmp/            fresh staging directory (a stale one of a killed save is removed)
+            ... every rank writes .metadata + DCP shards, loader-rank{r}.pt, trainer-rank{r}.pt ...
+    mark    .step-N.tmp/COMPLETE    after checking every rank's files are there: {step, world_size, files, time}
+    rename  step-N/                 a name never used before (step-N.1, step-N.2, ... if step-N exists)
+    point   latest -> step-N        temp file + os.replace
+    prune   keep the newest ``keep`` complete checkpoints (by commit time) and whatever ``latest`` names
+
+Rules that make every kill point safe: nothing that ``latest`` names is ever deleted or replaced (a
+re-save of a step goes to a new name, and only then does ``latest`` move); a directory gets its
+``step-*`` name only once it is complete; ``latest`` moves only to a renamed, complete directory.
+A kill before ``point`` leaves ``latest`` on the previous checkpoint (the renamed one is complete but
+unnamed, and pruned later). On resume :meth:`CheckpointDir.resolve` checks what ``latest`` names and,
+if it is missing or incomplete (a checkpoint written by an older version, damaged by hand), falls back
+to the newest complete checkpoint and says which and why.
+
+A checkpoint is *complete* when its ``COMPLETE`` marker and every file the marker lists exist;
+a directory without a marker (written before markers existed) is complete when ``.metadata`` and
+every rank's loader and trainer files exist.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["LATEST", "MARKER", "SAVE_POINTS", "CheckpointDir"]
+
+LATEST = "latest"
+MARKER = "COMPLETE"
+SAVE_POINTS = ("staged", "marked", "renamed", "pointed", "pruned")
+"""Where a save can be interrupted, in order (the ``hook`` is called *after* each)."""
+_NAME = re.compile(r"^step-(\d+)(?:\.(\d+))?$")
+
+
+def rank_files(world_size: int) -> list[str]:
+    """The files every complete checkpoint of a ``world_size``-rank run holds (besides DCP's shards)."""
+    return [".metadata", *(f"{kind}-rank{r}.pt" for r in range(world_size) for kind in ("loader", "trainer"))]
+
+
+class CheckpointDir:
+    """``run_dir/checkpoints``: saving (rank 0 only) and choosing the checkpoint to resume from (any rank).
+
+    Args:
+        root: the checkpoints directory.
+        world_size: ranks of this run (whose files a complete checkpoint must hold).
+        keep: complete checkpoints kept by :meth:`prune` (at least 1), besides whatever ``latest`` names.
+        hook: called with ``(point, step)`` after each of :data:`SAVE_POINTS` (fault injection for tests).
+    """
+
+    def __init__(self, root: str | os.PathLike, *, world_size: int, keep: int = 2,
+                 hook: Callable[[str, int], None] | None = None):
+        if keep < 1 or world_size < 1:
+            raise ValueError(f"need {keep=} >= 1 and {world_size=} >= 1")
+        self.root = Path(root)
+        self.world_size = world_size
+        self.keep = keep
+        self.hook = hook or (lambda point, step: None)
+
+    # -- saving (rank 0) ---------------------------------------------------------------------------------------------
+    def staging(self, step: int) -> Path:
+        """The staging directory of ``step``'s save (the same path on every rank)."""
+        return self.root / f".step-{step:06d}.tmp"
+
+    def stage(self, step: int) -> Path:
+        """Creates a fresh, empty staging directory for ``step`` (removing a killed save's) and returns it."""
+        tmp = self.staging(step)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self.hook("staged", step)
+        return tmp
+
+    def commit(self, tmp: Path, step: int) -> Path:
+        """Marks the staged checkpoint complete, gives it a fresh ``step-N`` name, moves ``latest``, prunes.
+
+        Raises:
+            RuntimeError: a rank's file is missing from the staging directory (nothing is renamed).
+        """
+        files = rank_files(self.world_size)
+        missing = [f for f in files if not (tmp / f).exists()]
+        if missing:
+            raise RuntimeError(f"checkpoint of step {step} in {tmp} is missing {missing}; not committing it")
+        marker = {"step": step, "world_size": self.world_size, "files": files, "time": time.time()}
+        with open(tmp / MARKER, "w") as f:
+            json.dump(marker, f)
+            f.flush()
+            os.fsync(f.fileno())
+        self.hook("marked", step)
+        final = self._free_name(step)
+        os.replace(tmp, final)  # onto a name that does not exist: never over a checkpoint `latest` may name
+        self.hook("renamed", step)
+        self.point_latest(final)
+        self.hook("pointed", step)
+        self.prune()
+        self.hook("pruned", step)
+        return final
+
+    def _free_name(self, step: int) -> Path:
+        path = self.root / f"step-{step:06d}"
+        k = 0
+        while path.exists():
+            k += 1
+            path = self.root / f"step-{step:06d}.{k}"
+        return path
+
+    def point_latest(self, checkpoint: Path) -> None:
+        """Moves ``latest`` to ``checkpoint`` atomically."""
+        pointer = self.root / f".{LATEST}.tmp"
+        pointer.write_text(checkpoint.name)
+        os.replace(pointer, self.root / LATEST)
+
+    def prune(self) -> list[Path]:
+        """Deletes every ``step-*`` directory but the newest ``keep`` complete ones and what ``latest`` names,
+        and staging directories of killed saves (call between saves only). Returns what it deleted."""
+        named = self.latest_named()
+        keep = set(self.complete()[-self.keep:])
+        if named is not None:
+            keep.add(named)
+        doomed = [p for p in self.root.glob("step-*") if p not in keep and _NAME.match(p.name)]
+        doomed += list(self.root.glob(".step-*.tmp"))
+        for path in doomed:
+            shutil.rmtree(path, ignore_errors=True)
+        return doomed
+
+    # -- resuming (any rank) -----------------------------------------------------------------------------------------
+    def latest_named(self) -> Path | None:
+        """What ``latest`` names (whether or not it exists), or None without a ``latest``."""
+        try:
+            name = (self.root / LATEST).read_text().strip()
+        except FileNotFoundError:
+            return None
+        return self.root / name if name else None
+
+    def why_incomplete(self, path: Path) -> str | None:
+        """None if ``path`` is a complete checkpoint, else what is wrong with it (a phrase)."""
+        if not path.is_dir():
+            return "it does not exist"
+        try:
+            files = json.loads((path / MARKER).read_text())["files"]
+        except FileNotFoundError:
+            files = rank_files(self.world_size)  # written before markers existed
+        except (ValueError, KeyError, TypeError):
+            return f"its {MARKER} marker is unreadable"
+        missing = [f for f in files if not (path / f).exists()]
+        return f"it lacks {', '.join(missing)}" if missing else None
+
+    def complete(self) -> list[Path]:
+        """Complete ``step-*`` checkpoints, oldest commit first."""
+        found = [p for p in self.root.glob("step-*") if _NAME.match(p.name) and self.why_incomplete(p) is None]
+        return sorted(found, key=self._committed_at)
+
+    @staticmethod
+    def _committed_at(path: Path) -> tuple[float, str]:
+        try:
+            return float(json.loads((path / MARKER).read_text())["time"]), path.name
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            return path.stat().st_mtime, path.name
+
+    def resolve(self) -> tuple[Path | None, str]:
+        """The checkpoint to resume from and, if it is not what ``latest`` names, a sentence saying why.
+
+        Returns:
+            ``(path, note)``: ``latest``'s checkpoint and ``""`` when it is complete; else the newest complete
+            checkpoint (or None if there is none) and the reason for the fallback.
+        """
+        named = self.latest_named()
+        problem = "there is no latest pointer" if named is None else None
+        if named is not None:
+            why = self.why_incomplete(named)
+            if why is None:
+                return named, ""
+            problem = f"latest names {named.name}, but {why}"
+        candidates = self.complete()
+        if not candidates:
+            return None, (f"{problem} and {self.root} holds no complete checkpoint; starting fresh"
+                          if named is not None or self.root.exists() and any(self.root.glob("step-*")) else "")
+        return candidates[-1], f"{problem}; resuming from the newest complete checkpoint, {candidates[-1].name}"
