@@ -10,6 +10,11 @@ Lifecycle of one prompt (per epoch)::
 A group counts as consumed when the trainer commits the update it fed, not when it is yielded, so a
 consumer that prefetches (Lightning, a prefetch thread) loses nothing across a checkpoint.
 
+A lease that comes back FAILED (the worker's engine or reward raised) counts against its prompt;
+the prompt is re-issued after a doubling backoff. A prompt that failed ``max_prompt_failures``
+times is poisoned (:mod:`asyncrl.poison`): parked (PENDING, never re-issued until a resume) while
+the pool raises, or ``LEASED/PENDING ──skip──► SKIPPED``: done for the epoch, never consumed.
+
 The ledger is like ``DistributedSampler`` plus DataLoader worker sharding, but dynamic: the order of
 prompts is a deterministic function of ``(seed, epoch)``, this rank owns a fixed shard of it, and
 prompts are handed to whichever worker asks, as leases with deadlines. A lease whose worker dies or
@@ -171,7 +176,7 @@ class PromptLedger:
         self._leases_of: dict[int, set[int]] = collections.defaultdict(set)
         # workers that held a lease for the prompt in this epoch: the only ones whose group for it is accepted.
         # Not saved: a resumed run re-issues every outstanding lease, so only holders of the new timeline count.
-        self._holders: dict[int, set[str]] = collections.defaultdict(set)
+        self._holders: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self._buffered: set[int] = set()
         self._delivered: set[int] = set()  # yielded to the trainer, update not committed yet
         self._watermark = 0  # every position below it is consumed
@@ -267,7 +272,7 @@ class PromptLedger:
         lease = Lease(next(self._lease_ids), self.epoch, idx, worker_id, now + self.lease_timeout_s, attempt)
         self.leases[lease.lease_id] = lease
         self._leases_of[idx].add(lease.lease_id)
-        self._holders[idx].add(worker_id)
+        self._holders[idx][worker_id] += 1  # leases delivered to it for this prompt
         self.counters["leased"] += 1
         return lease
 
@@ -290,7 +295,8 @@ class PromptLedger:
 
     def held_by(self, prompt_index: int, worker_id: str) -> bool:
         """True if ``worker_id`` holds, or held, a lease for ``prompt_index`` in this epoch (this timeline)."""
-        return worker_id in self._holders.get(prompt_index, ())
+        holders = self._holders.get(prompt_index)
+        return holders is not None and holders[worker_id] > 0
 
     def undeliver(self, lease_id: int) -> Lease | None:
         """Takes back a lease that never reached its worker (unroutable, queue full): as if it was never
@@ -306,8 +312,7 @@ class PromptLedger:
             self._attempts.pop(idx, None)
         self.counters["leased"] -= 1
         self.counters["undeliverable"] += 1
-        if not any(self.leases[lid].worker_id == lease.worker_id for lid in self._leases_of.get(idx, ())):
-            self._holders[idx].discard(lease.worker_id)
+        self._holders[idx][lease.worker_id] -= 1  # it never had this one
         if self.state_of(idx) is PromptState.PENDING:
             self._retry.appendleft(idx)
         return lease
