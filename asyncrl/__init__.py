@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "DecodeError": "asyncrl.codec",
     "EngineConfig": "asyncrl.config",
+    "GateConfig": "asyncrl.config",
     "Group": "asyncrl.rollout",
     "LoaderConfig": "asyncrl.config",
     "PromptLedger": "asyncrl.ledger",
@@ -28,6 +29,8 @@ _EXPORTS = {
     "collate_groups": "datapipes.collate",
     "is_stale": "asyncrl.staleness",
     "staleness": "asyncrl.staleness",
+    "Timeline": "asyncrl.timeline",
+    "new_incarnation": "asyncrl.timeline",
 }
 
 __all__ = sorted(_EXPORTS)

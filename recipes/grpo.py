@@ -46,12 +46,16 @@ import torch.distributed as dist
 import yaml
 
 from asyncrl import LoaderConfig, RolloutLoader
+from asyncrl.checkpoint import SAVE_POINTS, CheckpointDir
 from asyncrl.codec import dumps_json
 from asyncrl.config import WeightSyncConfig, from_dict
 from asyncrl.debug.detectors import DebugConfig, Debugger
 from asyncrl.dump import write_dump
+from asyncrl.lifeline import die_with_parent
 from asyncrl.logprobs import token_logprobs
 from asyncrl.losses import LossConfig, group_advantages, mismatch_metrics, policy_loss
+from asyncrl.run_dir import RunDirLock, RunDirLocked, truncate_records
+from asyncrl.timeline import new_incarnation
 from asyncrl.weights import setup_weight_broadcaster
 from workers.tasks import arithmetic_prompts
 from workers.tiny_model import build_tiny_model
@@ -92,6 +96,16 @@ class TrainConfig:
     seed: int = 0
     pause_after_step: int | None = None
     """Fault injection for tests: every rank sleeps after logging this step (to be killed mid-run)."""
+    pause_in_save_at_step: int | None = None
+    """Fault injection for tests: rank 0 sleeps inside the save of this step, after ``pause_in_save_point``
+    (the other ranks wait at the save's last barrier), to be killed in the middle of a save."""
+    pause_in_save_point: str = "renamed"
+    """One of ``asyncrl.checkpoint.SAVE_POINTS``: "staged", "marked", "renamed" (the new step-N exists, latest
+    still names the previous one), "pointed", "pruned"."""
+
+    def __post_init__(self) -> None:
+        if self.pause_in_save_point not in SAVE_POINTS:
+            raise ValueError(f"train.pause_in_save_point={self.pause_in_save_point!r} must be one of {SAVE_POINTS}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -115,6 +129,7 @@ class CheckpointConfig:
     every: int = 20
     """Save every this many steps (and at the end); 0 = only at the end."""
     keep: int = 2
+    """Complete checkpoints kept (besides whatever ``latest`` names, never deleted); 0 keeps all."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -166,12 +181,19 @@ class GRPORecipe:
     # -- setup -----------------------------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.cfg
+        # first of all: a rank never outlives its launcher (torchrun runs ranks in sessions of their own, so killing
+        # its process group misses them); one orphaned earlier cannot join the rendezvous torchrun hosted
+        die_with_parent(what=f"trainer rank {os.environ.get('RANK', '?')}")
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
         torch.manual_seed(cfg.train.seed)
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
+        self._hold_run_dir()  # before anything is written into it
+        self.checkpoints = CheckpointDir(self.ckpt_dir, world_size=self.world, keep=cfg.checkpoint.keep,
+                                         hook=self._save_fault)
+        self._saved_step: int | None = None
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_bytes(dumps_json(dataclasses.asdict(cfg)))
@@ -190,6 +212,7 @@ class GRPORecipe:
         self._build_model(lora=bool(cfg.lora.rank))
         if latest is not None:
             self._load_checkpoint(latest)
+            self._truncate_records()
         elif cfg.train.sft_steps and not cfg.lora.rank:
             self._sft_warmup()
         self._start_weight_sync()
@@ -211,6 +234,34 @@ class GRPORecipe:
             }
             self.debugger = Debugger(self.run_dir, self.rank, cfg.debug, max_staleness=cfg.rollout.max_staleness,
                                      context=context, append=latest is not None)
+
+    def _hold_run_dir(self) -> None:
+        """Rank 0 locks the run directory for the whole run (asyncrl.run_dir); if another run holds it, every rank
+        leaves at once with the sentence naming the holder (broadcast, so no rank waits for the others)."""
+        self.run_lock = RunDirLock(self.run_dir) if self.rank == 0 else None
+        refusal: list[str | None] = [None]
+        if self.run_lock is not None:
+            try:
+                self.run_lock.acquire()
+            except RunDirLocked as e:
+                refusal = [str(e)]
+        dist.broadcast_object_list(refusal, src=0)
+        if refusal[0] is not None:
+            dist.destroy_process_group()
+            raise SystemExit(f"[rank {self.rank}] {refusal[0]}")
+
+    def _truncate_records(self) -> None:
+        """Resuming from step N: the records keep only steps <= N, so reports and the consumed logs count each
+        step once (the rolled-back steps are trained again and logged again)."""
+        paths = [self.run_dir / f"consumed-rank{self.rank}.jsonl", self.run_dir / "debug" / f"steps-rank{self.rank}.jsonl"]
+        if self.rank == 0:
+            paths += [self.run_dir / "metrics.jsonl", self.run_dir / "debug" / "anomalies.jsonl"]
+        for path in paths:
+            kept, dropped = truncate_records(path, self.step)
+            if dropped:
+                print(f"[rank {self.rank}] {path}: dropped {dropped} lines of steps after {self.step} (rolled back), "
+                      f"kept {kept}", file=sys.stderr)
+        dist.barrier()  # anomalies.jsonl is shared: rank 0 rewrites it before any rank appends
 
     def _warm_base_for_lora(self) -> None:
         """LoRA trains an adapter on a frozen base, so the supervised warm start trains the base first and
@@ -275,6 +326,11 @@ class GRPORecipe:
 
     def _start_weight_sync(self) -> None:
         cfg = self.cfg
+        # this start (or resume) of the run is a new incarnation: its weights and its pools' timeline say so,
+        # so rollouts of a rolled-back incarnation's reused version numbers are never trained
+        incarnation = [new_incarnation()]
+        dist.broadcast_object_list(incarnation, src=0)
+        self.incarnation = incarnation[0]
         self.broadcaster = None
         address = [None]
         if self.rank == 0:
@@ -299,7 +355,7 @@ class GRPORecipe:
             engine=dataclasses.replace(cfg.rollout.worker.engine, model=self.model_dir, lora_rank=cfg.lora.rank),
         )
         loader_cfg = dataclasses.replace(cfg.rollout, worker=worker, drop_remainder=True)
-        self.loader = RolloutLoader(self.prompts, loader_cfg)
+        self.loader = RolloutLoader(self.prompts, loader_cfg, incarnation=self.incarnation)
         self.loader.set_policy_version(self.version)
         if self.rank == 0 and not loader_cfg.num_workers:  # remote workers: tell the operator where to point them
             connect = " ".join(f"--connect {e}" for e in self.loader.endpoints)
@@ -327,7 +383,8 @@ class GRPORecipe:
             tensors, mode, lora_config = self._weights()
         self.last_publish_bytes = sum(t.nbytes for t in tensors.values())  # payload: what crosses the wire
         if self.broadcaster is not None:
-            self.last_publish = self.broadcaster.publish(tensors, self.version, mode=mode, lora_config=lora_config)
+            self.last_publish = self.broadcaster.publish(tensors, self.version, mode=mode, lora_config=lora_config,
+                                                         incarnation=self.incarnation)
 
     # -- train -------------------------------------------------------------------------------------------------------
     def train(self) -> None:
@@ -388,13 +445,15 @@ class GRPORecipe:
                      if self.debugger is not None else None)
         weight_bytes = 0
         publish_s = 0.0
+        # the batch fed this step, accepted or not: commit it; the pool's version moves before the weights are
+        # published, so no worker holds weights newer than its pool's trainer
+        self.loader.set_policy_version(self.version + accepted)
         if accepted:
             self.version += 1
             t_publish = time.perf_counter()
             self.publish()
             publish_s = time.perf_counter() - t_publish
             weight_bytes = self.last_publish_bytes
-            self.loader.set_policy_version(self.version)
         elif self.debugger is None:  # with the debugger on, a rejection is one of its anomalies (and dumps)
             self._dump(batch, rewards, reason, loss, grad_norm, ratio)
         if self.debugger is not None:
@@ -504,19 +563,31 @@ class GRPORecipe:
 
     # -- checkpoint --------------------------------------------------------------------------------------------------
     def _latest_checkpoint(self) -> Path | None:
-        latest = self.ckpt_dir / "latest"
-        return self.ckpt_dir / latest.read_text().strip() if latest.exists() else None
+        """What ``--resume`` continues from: ``latest`` if complete, else the newest complete checkpoint (rank 0
+        decides and says why, and points ``latest`` at it; every rank gets the same answer)."""
+        choice: list[Any] = [None, ""]
+        if self.rank == 0:
+            path, note = self.checkpoints.resolve()
+            choice = [None if path is None else str(path), note]
+            if note:
+                print(f"resume: {note}", file=sys.stderr, flush=True)
+                if path is not None:
+                    self.checkpoints.point_latest(path)
+        dist.broadcast_object_list(choice, src=0)
+        return None if choice[0] is None else Path(choice[0])
 
     def save_checkpoint(self) -> None:
-        """Model + optimizer (DCP), loader state per rank, version, RNG and config; atomically."""
+        """Model + optimizer (DCP), loader state per rank, version, RNG and config, as one complete checkpoint
+        (asyncrl.checkpoint: staged, marked, renamed to a fresh name, then ``latest`` moves). A step already
+        saved (the final step with ``checkpoint.every=1``, a resumed run that trains nothing) is not saved again."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        name = f"step-{self.step:06d}"
-        tmp = self.ckpt_dir / f".{name}.tmp"
+        if self._saved_step == self.step:
+            return
+        tmp = self.checkpoints.staging(self.step)
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            self.checkpoints.stage(self.step)
         dist.barrier()
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         dcp.save({self.CHECKPOINT_MODEL: model_state, self.CHECKPOINT_OPTIM: optim_state}, checkpoint_id=str(tmp))
@@ -526,15 +597,17 @@ class GRPORecipe:
         dist.barrier()
         if self.rank == 0:
             (tmp / "config.json").write_bytes(dumps_json(dataclasses.asdict(self.cfg)))
-            final = self.ckpt_dir / name
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            pointer = self.ckpt_dir / ".latest.tmp"
-            pointer.write_text(name)
-            os.replace(pointer, self.ckpt_dir / "latest")  # a crash before this line leaves the last good one
-            for old in sorted(self.ckpt_dir.glob("step-*"))[: -self.cfg.checkpoint.keep]:
-                shutil.rmtree(old, ignore_errors=True)
+            self.checkpoints.commit(tmp, self.step)  # a crash before latest moves leaves the last good one
         dist.barrier()
+        self._saved_step = self.step
+
+    def _save_fault(self, point: str, step: int) -> None:
+        """Fault injection (``train.pause_in_save_at_step``): rank 0 sleeps at one point of one save."""
+        train = self.cfg.train
+        if step == train.pause_in_save_at_step and point == train.pause_in_save_point:
+            print(f"[rank {self.rank}] pausing in the save of step {step} after {point!r} "
+                  f"(train.pause_in_save_at_step)", file=sys.stderr, flush=True)
+            time.sleep(3600)
 
     def _load_checkpoint(self, path: Path) -> None:
         import torch.distributed.checkpoint as dcp
@@ -548,6 +621,7 @@ class GRPORecipe:
         trainer = torch.load(path / f"trainer-rank{self.rank}.pt", weights_only=True)
         torch.set_rng_state(trainer["rng"])
         self.step, self.version = trainer["step"], trainer["policy_version"]
+        self._saved_step = self.step  # on disk already: a final save of this same step is skipped
         if self.rank == 0:
             print(f"resumed from {path} at step {self.step}, policy version {self.version}", file=sys.stderr)
 
@@ -569,6 +643,8 @@ class GRPORecipe:
             print(f"report: {write_report(self.run_dir)}", file=sys.stderr)
         dist.barrier()
         dist.destroy_process_group()
+        if self.run_lock is not None:  # last: the run directory is this run's until everything above is written
+            self.run_lock.release()
 
 
 def replay_rejection(dump_path: str | os.PathLike, checkpoint: str | os.PathLike, cfg: RecipeConfig,

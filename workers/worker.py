@@ -132,12 +132,19 @@ class RolloutWorker:
         update = update if update is not None else self.weights.poll()
         if update is None:
             return False
+        live = getattr(self.sender, "incarnation", "")
+        if live and update.incarnation and update.incarnation != live:  # a rolled-back trainer's weights
+            logger.warning("worker %s: discarding staged version %d of dead trainer incarnation %s (live: %s)",
+                           self.worker_id, update.version, update.incarnation, live)
+            self.weights.discard(update)
+            return False
         t0 = time.perf_counter()
         try:
             if faults.skips_weights(self.fault, update.version):  # injected fault: commit without loading
                 self.engine.policy_version = update.version
             else:
                 self.engine.apply_weights(update)
+            self.engine.incarnation = update.incarnation
         except Exception:  # deliberate fault tolerance: keep generating with the version we have
             self.weight_failures += 1
             self._throttle.error("weights_failed", "worker %s: applying weights of version %d failed",
@@ -153,15 +160,19 @@ class RolloutWorker:
     def step(self, leases: Sequence[ReceivedLease]) -> None:
         """Generates, rewards and sends one batch of leases."""
         newest = max(lease.policy_version for lease in leases)
+        live = leases[-1].incarnation
         if self.engine.follows_pool_version:
-            if newest > self.engine.policy_version:
-                self.engine.set_policy_version(newest)
-        elif self.weights is not None and newest > self.engine.policy_version:
-            # leased at a version this worker has not loaded yet: catch up first, or the groups would
-            # be generated only to arrive stale
-            update = self.weights.wait(newest, timeout=self.catch_up_s)
+            if newest > self.engine.policy_version or (live and live != self.engine.incarnation):
+                self.engine.set_policy_version(newest)  # a resumed trainer's version may be lower
+                self.engine.incarnation = live
+        elif self.weights is not None and (newest > self.engine.policy_version
+                                           or (live and self.engine.incarnation and live != self.engine.incarnation)):
+            # leased at a version (or by a trainer incarnation) this worker has not loaded yet: catch up
+            # first, or the groups would be generated only to arrive stale or off the trainer's timeline
+            update = self.weights.wait(newest, timeout=self.catch_up_s, incarnation=live or None)
             if update is not None:
                 self.apply_staged_weights(update)
+        incarnation = self.engine.incarnation
         requests = [
             GenerationRequest(epoch=lease.epoch, prompt_index=lease.prompt_index, prompt=lease.prompt, n=lease.group_size)
             for lease in leases
@@ -182,6 +193,9 @@ class RolloutWorker:
             else:
                 completions = self.engine.generate(requests)
             t1 = time.perf_counter()
+            if self.engine.incarnation != incarnation:  # weights of another trainer incarnation applied mid-batch
+                raise RuntimeError(f"trainer incarnation changed from {incarnation!r} to {self.engine.incarnation!r} "
+                                   "during generation (the trainer was resumed); the batch is regenerated")
             groups = [self._group(lease, cs, t1 - t0) for lease, cs in zip(leases, completions)]
         except Exception as e:  # deliberate fault tolerance: report the failure, keep serving
             failure = e
@@ -232,6 +246,7 @@ class RolloutWorker:
                 sample_index=sample,
                 worker_id=self.worker_id,
                 policy_version=c.policy_version,
+                incarnation=self.engine.incarnation,
                 version_spans=list(c.version_spans),
                 prompt_ids=c.prompt_ids,
                 response_ids=c.response_ids,

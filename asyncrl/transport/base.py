@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.config import TransportConfig
+from asyncrl.config import GateConfig, TransportConfig
 from asyncrl.pool import RolloutPool
 from asyncrl.rollout import Group
 
@@ -51,6 +51,8 @@ class ReceivedLease:
     prompt: Any
     policy_version: int
     """The trainer's policy version when the lease was granted."""
+    incarnation: str = ""
+    """The trainer incarnation that granted it (:mod:`asyncrl.timeline`): generate with its weights."""
 
 
 class RolloutReceiver(abc.ABC):
@@ -125,10 +127,12 @@ def setup_rollout_receiver(
     *,
     rank: int = 0,
     world_size: int = 1,
+    gate: GateConfig | None = None,
 ) -> RolloutReceiver:
+    """The receiver for ``config``; ``gate`` is what it admits from workers (ranges, per-peer caps)."""
     from asyncrl.transport.zmq_transport import ZmqRolloutReceiver
 
-    return ZmqRolloutReceiver(config, pool, prompt_fn, rank=rank, world_size=world_size)
+    return ZmqRolloutReceiver(config, pool, prompt_fn, rank=rank, world_size=world_size, gate=gate)
 
 
 def setup_rollout_sender(

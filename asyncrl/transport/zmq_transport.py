@@ -417,7 +417,8 @@ class ZmqRolloutReceiver(RolloutReceiver):
             if now >= next_heartbeat:
                 next_heartbeat = now + self.config.heartbeat_s
                 for identity in list(self._peers):
-                    self._send(sock, identity, P.HEARTBEAT, {"policy_version": self.pool.policy_version})
+                    self._send(sock, identity, P.HEARTBEAT, {"policy_version": self.pool.policy_version,
+                                                             "incarnation": self.pool.incarnation})
             self._grant(sock, now)
             self._drop_unroutable()
 
@@ -472,6 +473,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
             if peer is not None:  # counted against the prompt; poisoned after loader.max_prompt_failures
                 self.pool.lease_failed(body["lease_id"], peer.worker_id, body["error"][:2000])
         elif kind == P.BYE:
+            self._greeted.pop(identity, None)  # it left: no SHUTDOWN owed
             if peer is not None:
                 self._drop_peer(identity, "worker_left")
         elif peer is None:  # heartbeat from a worker we declared dead or never met
@@ -482,17 +484,32 @@ class ZmqRolloutReceiver(RolloutReceiver):
                 peer.status = {k: v[:200] if isinstance(v, str) else v for k, v in status.items()}
 
     def _hello(self, sock: zmq.Socket, identity: bytes, body: dict[str, Any], now: float) -> None:
+        worker_id = body["worker_id"]
         for other, p in list(self._peers.items()):
-            if p.worker_id == body["worker_id"] and other != identity:  # restarted process, same id
-                self._drop_peer(other, "worker_restarted")
-        self._greeted.add(identity)
+            if p.worker_id == worker_id and other != identity:
+                if now - p.last_seen <= EVICT_AFTER_HEARTBEATS * self.config.heartbeat_s:
+                    # a live worker keeps its id: a newcomer reusing it is refused (it may retry HELLO)
+                    error = f"worker id {worker_id!r} is in use by a live peer"
+                    self._refused(identity, "hello_refused_id_in_use", error)
+                    return
+                self._drop_peer(other, "worker_restarted")  # restarted process, same id: the old one is silent
+                self._greeted.pop(other, None)
+        if identity not in self._peers and len(self._peers) >= self.gate.max_peers:
+            self._refused(identity, "hello_refused_max_peers", f"already serving gate.max_peers={self.gate.max_peers}")
+            return
+        slots = body["slots"]
+        if slots > self.gate.max_slots_per_peer:
+            self._count("slots_capped")
+            slots = self.gate.max_slots_per_peer
+        self._greeted.pop(identity, None)
+        self._greeted[identity] = worker_id
+        while len(self._greeted) > GREETED_PER_PEER * self.gate.max_peers:
+            self._greeted.popitem(last=False)
         if identity not in self._peers:
             self._count("workers_joined")
-            logger.info("rank %d: worker %s joined (pid %d on %s)", self.rank, body["worker_id"], body["pid"], body["host"])
+            logger.info("rank %d: worker %s joined (pid %d on %s)", self.rank, worker_id, body["pid"], body["host"])
         with self._lock:
-            self._peers[identity] = _Peer(
-                identity, body["worker_id"], body["slots"], body["pid"], body["host"][:128], now, now
-            )
+            self._peers[identity] = _Peer(identity, worker_id, slots, body["pid"], body["host"][:128], now, now)
         self._send(
             sock,
             identity,
@@ -507,15 +524,48 @@ class ZmqRolloutReceiver(RolloutReceiver):
             },
         )
 
+    def _refused(self, identity: bytes, reason: str, error: str, worker_id: str | None = None) -> None:
+        """Counts a refusal under ``reason``; the first few and then every power of two go to recent_errors
+        (a storm of refusals must not push every other error out)."""
+        with self._lock:
+            self._counters[reason] += 1
+            n = self._counters[reason]
+            if n <= 4 or n & (n - 1) == 0:
+                self._recent_errors.append((worker_id or identity.hex(), f"{reason}: {error}"[:300]))
+        if n <= 4 or n & (n - 1) == 0:
+            who = worker_id or identity.hex()
+            logger.warning("rank %d: refused peer %s (%s, %d so far): %s", self.rank, who, reason, n, error)
+
     def _group(self, sock: zmq.Socket, identity: bytes, peer: _Peer | None, body: dict[str, Any]) -> None:
         lease_id = body["lease_id"]
+        # a peer reaped after a late heartbeat is still known by the id it greeted with
+        worker_id = peer.worker_id if peer is not None else self._greeted.get(identity)
         try:
             group = Group.from_wire(body["group"], group_size=self.pool.group_size)
-        except DecodeError as e:
-            self._bad(identity, e)
-            self._keep_rejected(peer, body["group"])
+            check_group(group, self.gate)
+        except GateError as e:
+            self._refused(identity, f"gate_{e.reason}", str(e), worker_id)
+            self._count("groups_refused")
+            self._keep_rejected(worker_id, body["group"], e)
             if peer is not None:  # its lease is void: generate the prompt again elsewhere
                 self.pool.release_held(lease_id, peer.worker_id, "rejected")
+            return
+        except DecodeError as e:
+            self._bad(identity, e)
+            self._keep_rejected(worker_id, body["group"])
+            if peer is not None:  # its lease is void: generate the prompt again elsewhere
+                self.pool.release_held(lease_id, peer.worker_id, "rejected")
+            return
+        if worker_id is None or not self.pool.held_by(group.epoch, group.prompt_index, worker_id):
+            self._refused(
+                identity,
+                "not_leased_to_peer",
+                f"group {group.group_id} (lease {lease_id}) from a peer that holds no lease for it",
+                worker_id,
+            )
+            self._count("groups_refused")
+            if peer is None:
+                self._send(sock, identity, P.RESYNC, {})
             return
         accepted = self.pool.add_rollouts(group.rollouts, lease_id=lease_id)
         self._count("groups_received")
@@ -525,21 +575,28 @@ class ZmqRolloutReceiver(RolloutReceiver):
             peer.groups += accepted > 0
             self.pool.release_held(lease_id, peer.worker_id, "rejected")
 
-    def _keep_rejected(self, peer: _Peer | None, group: Any) -> None:
-        """Keeps copies of the (small) rollouts of a refused group that fail validation themselves."""
+    def _keep_rejected(self, worker_id: str | None, group: Any, error: GateError | None = None) -> None:
+        """Keeps copies of the (small) rollouts of a refused group: the one the gate named, or those that
+        fail validation themselves."""
         rollouts = group.get("rollouts") if isinstance(group, dict) else None
         for d in rollouts if isinstance(rollouts, list) else ():
-            try:
-                Rollout.from_wire(d)
-            except DecodeError as e:
-                if not isinstance(d, dict):
+            if not isinstance(d, dict):
+                continue
+            if error is not None:
+                if d.get("uid") != error.uid:
                     continue
-                tensors = [v for v in d.values() if hasattr(v, "nbytes")]
-                if sum(t.nbytes for t in tensors) <= KEEP_REJECTED_BYTES:
-                    kept = {k: v.clone() if hasattr(v, "clone") else v for k, v in d.items()}
-                    with self._lock:
-                        self._rejected.append({"worker": peer.worker_id if peer else None, "error": str(e)[:300],
-                                               "rollout": kept})
+                reason: Exception = error
+            else:
+                try:
+                    Rollout.from_wire(d)
+                    continue
+                except DecodeError as e:
+                    reason = e
+            tensors = [v for v in d.values() if hasattr(v, "nbytes")]
+            if sum(t.nbytes for t in tensors) <= KEEP_REJECTED_BYTES:
+                kept = {k: v.clone() if hasattr(v, "clone") else v for k, v in d.items()}
+                with self._lock:
+                    self._rejected.append({"worker": worker_id, "error": str(reason)[:300], "rollout": kept})
 
     def rejected_rollouts(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -562,6 +619,8 @@ class ZmqRolloutReceiver(RolloutReceiver):
             return
         held = self.pool.outstanding()
         for identity, peer in list(self._peers.items()):
+            if identity in self._unroutable:
+                continue
             free = peer.slots - held[peer.worker_id]
             # top up in batches (half the credits at once) unless the worker is about to run dry
             if free <= 0 or (held[peer.worker_id] > 0 and free < max(1, peer.slots // 2)):
@@ -584,8 +643,9 @@ class ZmqRolloutReceiver(RolloutReceiver):
                 ],
             }
             if not self._send(sock, identity, P.LEASES, body):
-                for lease in leases:
-                    self.pool.release(lease.lease_id, "undeliverable")
+                # never reached the worker: not a regeneration, and first in line for the next worker
+                self.pool.undeliver(leases)
+                self._count("leases_undeliverable", len(leases))
             else:
                 self._count("leases_granted", len(leases))
 
@@ -602,7 +662,8 @@ class ZmqRolloutSender(RolloutSender):
         endpoints: the pools to serve, one per trainer rank.
         worker_id: unique name of this worker (the pool re-issues the leases of a reused id).
         slots: credits per pool: leases held at once.
-        server_key: the pools' CURVE public key, when they use CURVE.
+        server_key: the pools' CURVE public key, when they use CURVE; this worker's own key pair comes from
+            ``transport.curve_client_secret_key`` or ``transport.curve_client_key_file``.
     """
 
     def __init__(
@@ -621,6 +682,11 @@ class ZmqRolloutSender(RolloutSender):
         self.worker_id = worker_id
         self.slots = slots
         self.server_key = server_key
+        secret = _client_secret_key(config)
+        # the pool's allow-list names this worker's public key; without a configured key, a throw-away pair
+        self._client_keys: tuple[bytes, bytes] = (
+            (zmq.curve_public(secret.encode()), secret.encode()) if secret is not None else zmq.curve_keypair()
+        )
         self._ctx = zmq.Context()
         self._out_addr = f"inproc://asyncrl-out-{id(self):x}"
         self._cv = threading.Condition()
@@ -636,6 +702,8 @@ class ZmqRolloutSender(RolloutSender):
         self._pusher: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
         self.policy_version = 0
+        self.incarnation = ""
+        """The live trainer incarnation, as the pools last said (WELCOME, LEASES, HEARTBEAT)."""
         self.counters: collections.Counter[str] = collections.Counter()
         self.status: dict[str, int | float | str] = {}
         """Reported to every pool with each heartbeat (engine policy version, weight-sync failures, ...)."""
@@ -736,7 +804,7 @@ class ZmqRolloutSender(RolloutSender):
         d.setsockopt(zmq.RCVHWM, self.config.hwm)
         d.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
         if self.server_key is not None:
-            public, secret = zmq.curve_keypair()
+            public, secret = self._client_keys
             d.curve_serverkey = self.server_key.encode()
             d.curve_publickey, d.curve_secretkey = public, secret
         d.connect(endpoint)
@@ -843,6 +911,8 @@ class ZmqRolloutSender(RolloutSender):
             logger.warning("worker %s: bad message from %s: %s", self.worker_id, self.endpoints[conn], e)
             return
         with self._cv:
+            if isinstance(body.get("incarnation"), str):  # the live trainer incarnation (asyncrl.timeline)
+                self.incarnation = body["incarnation"][:64]
             if kind == P.WELCOME:
                 self._welcomed[conn] = True
                 self.policy_version = max(self.policy_version, body["policy_version"])
@@ -854,12 +924,19 @@ class ZmqRolloutSender(RolloutSender):
                 if isinstance(pv, int):
                     self.policy_version = max(self.policy_version, pv)
             elif kind == P.CANCEL:
-                kept = [lease for lease in self._leases if lease.conn != conn]
-                self.counters["leases_cancelled"] += len(self._leases) - len(kept)
-                self._leases = collections.deque(kept)
+                # drop only leases of the abandoned timeline: ones the pool granted since its reset (it may
+                # grant before its CANCEL leaves) stay valid, or they would be held until lease_timeout_s
+                floor = body.get("min_lease_id")
+                if not isinstance(floor, int) or isinstance(floor, bool):
+                    floor = None  # a pool that names no floor: every queued lease of that connection
+                void = {id(x) for x in self._leases if x.conn == conn and (floor is None or x.lease_id < floor)}
+                self.counters["leases_cancelled"] += len(void)
+                self._leases = collections.deque(x for x in self._leases if id(x) not in void)
             elif kind == P.RESYNC:
                 self._hello(d)
             elif kind == P.SHUTDOWN:
+                if not self._shutdown[conn]:
+                    self._send(d, P.BYE, {})  # the acknowledgement the closing pool waits for
                 self._shutdown[conn] = True
             self._cv.notify_all()
 
@@ -874,5 +951,7 @@ class ZmqRolloutSender(RolloutSender):
                 if not isinstance(value, int) or isinstance(value, bool):
                     raise DecodeError(f"lease.{key} must be an int")
                 ints[key] = value
-            out.append(ReceivedLease(conn=conn, prompt=item.get("prompt"), policy_version=body["policy_version"], **ints))
+            incarnation = body.get("incarnation")
+            out.append(ReceivedLease(conn=conn, prompt=item.get("prompt"), policy_version=body["policy_version"],
+                                     incarnation=incarnation[:64] if isinstance(incarnation, str) else "", **ints))
         return out

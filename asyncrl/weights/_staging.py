@@ -169,8 +169,9 @@ class StagingArea:
         self.name = name
         self._cv = threading.Condition()
         self._staged: WeightUpdate | None = None
-        self._staged_recent: collections.deque[int] = collections.deque(maxlen=16)
+        self._staged_recent: collections.deque[tuple[int, str]] = collections.deque(maxlen=16)
         self._committed: int | None = None
+        self._committed_incarnation = ""
         self._closed = False
         self._error: BaseException | None = None
         self._counters: collections.Counter[str] = collections.Counter()
@@ -184,10 +185,22 @@ class StagingArea:
             versions = [v for v in (self._committed, self._staged and self._staged.version) if v is not None]
             return max(versions) if versions else None
 
+    def is_newer(self, version: int, incarnation: str) -> bool:
+        """Whether a transfer of ``(incarnation, version)`` beats what is staged or committed: a newer
+        version, or another incarnation (a resumed trainer reuses version numbers; its weights win)."""
+        with self._cv:
+            s = self._staged
+            have, have_inc = (s.version, s.incarnation) if s is not None else (self._committed, self._committed_incarnation)
+            return have is None or incarnation != have_inc or version > have
+
+    def newest_incarnation(self) -> str:
+        with self._cv:
+            return self._staged.incarnation if self._staged is not None else self._committed_incarnation
+
     def stage(self, update: WeightUpdate) -> None:
         with self._cv:
             self._staged = update
-            self._staged_recent.append(update.version)
+            self._staged_recent.append((update.version, update.incarnation))
             self._counters["versions_staged"] += 1
             self._counters["bytes_staged"] += update.nbytes
             self._info["staged_version"] = update.version
@@ -219,11 +232,14 @@ class StagingArea:
             self._cv.notify_all()
 
     # -- worker thread -------------------------------------------------------------------------
-    def _ready(self, version: int | None) -> WeightUpdate | None:
+    def _ready(self, version: int | None, incarnation: str | None = None) -> WeightUpdate | None:
         if self._error is not None:
             raise WeightSyncError(f"receiver {self.name}: weight I/O thread died: {self._error!r}") from self._error
         s = self._staged
-        if s is None or (self._committed is not None and s.version <= self._committed):
+        if s is None or (self._committed is not None and s.incarnation == self._committed_incarnation
+                         and s.version <= self._committed):
+            return None
+        if incarnation is not None and s.incarnation != incarnation:
             return None
         return s if version is None or s.version >= version else None
 
@@ -231,10 +247,16 @@ class StagingArea:
         with self._cv:
             return self._ready(None)
 
-    def wait(self, version: int, timeout: float) -> WeightUpdate | None:
+    def discard(self, update: WeightUpdate) -> None:
+        with self._cv:
+            if self._staged is update:
+                self._staged = None
+                self._counters["discarded_dead_incarnation"] += 1
+
+    def wait(self, version: int, timeout: float, incarnation: str | None = None) -> WeightUpdate | None:
         deadline = time.monotonic() + timeout
         with self._cv:
-            while (update := self._ready(version)) is None and not self._closed:
+            while (update := self._ready(version, incarnation)) is None and not self._closed:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
@@ -244,15 +266,17 @@ class StagingArea:
     def commit(self, version: int) -> None:
         """Records ``version`` as applied; raises ``ValueError`` unless it was staged and is newer."""
         with self._cv:
-            if self._committed is not None and version <= self._committed:
+            staged = [inc for v, inc in self._staged_recent if v == version]
+            if not staged:
+                raise ValueError(f"receiver {self.name}: commit({version}) of a version never staged "
+                                 f"(recently staged: {list(self._staged_recent)})")
+            incarnation = staged[-1]
+            if self._committed is not None and incarnation == self._committed_incarnation and version <= self._committed:
                 raise ValueError(
                     f"receiver {self.name}: commit({version}) is not newer than committed {self._committed}"
                 )
-            if version not in self._staged_recent:
-                raise ValueError(f"receiver {self.name}: commit({version}) of a version never staged "
-                                 f"(recently staged: {list(self._staged_recent)})")
-            self._committed = version
-            if self._staged is not None and self._staged.version <= version:
+            self._committed, self._committed_incarnation = version, incarnation
+            if self._staged is not None and self._staged.version <= version and self._staged.incarnation == incarnation:
                 self._staged = None  # the engine holds the tensors now; free ours
             self._counters["versions_committed"] += 1
 
@@ -267,8 +291,10 @@ class StagingArea:
             out.update(self._counters)
             out.update(self._info)
             out["committed_version"] = self._committed
+            out["committed_incarnation"] = self._committed_incarnation
             s = self._staged
-            fresh = s is not None and (self._committed is None or s.version > self._committed)
+            fresh = s is not None and (self._committed is None or s.version > self._committed
+                                       or s.incarnation != self._committed_incarnation)
             out["pending_version"] = s.version if fresh else None
             out["error"] = None if self._error is None else repr(self._error)
             out["recent_failures"] = list(self._failures)

@@ -56,6 +56,9 @@ class WeightUpdate:
     lora_config: dict[str, Any] | None = None
     """``lora`` mode: the peft ``LoraConfig`` as a dict (``to_dict()``)."""
     metadata: dict[str, Any] = field(default_factory=dict)
+    incarnation: str = ""
+    """The trainer incarnation that published it (:mod:`asyncrl.timeline`): a new incarnation's weights
+    replace the committed ones whatever their version (a resumed run reuses version numbers)."""
 
     @property
     def nbytes(self) -> int:
@@ -136,8 +139,9 @@ class WeightBroadcaster(abc.ABC):
         *,
         mode: WeightMode = "full",
         lora_config: dict[str, Any] | None = None,
+        incarnation: str = "",
     ) -> dict[str, Any]:
-        """Snapshots ``tensors`` as ``version`` and makes it the one receivers pull.
+        """Snapshots ``tensors`` as ``version`` of ``incarnation`` (the loader's) and makes it the one receivers pull.
 
         Returns:
             stats: bytes, buckets, seconds spent snapshotting.
@@ -165,8 +169,13 @@ class WeightReceiver(abc.ABC):
         """The newest fully staged and verified version newer than the last committed one, or None."""
 
     @abc.abstractmethod
-    def wait(self, version: int, timeout: float) -> WeightUpdate | None:
-        """Blocks until a version ``>= version`` is staged (or ``timeout``); returns it or None."""
+    def wait(self, version: int, timeout: float, *, incarnation: str | None = None) -> WeightUpdate | None:
+        """Blocks until a version ``>= version`` (of ``incarnation``, if given) is staged (or ``timeout``);
+        returns it or None."""
+
+    @abc.abstractmethod
+    def discard(self, update: WeightUpdate) -> None:
+        """Drops a staged update without applying it (weights of a dead incarnation)."""
 
     @abc.abstractmethod
     def commit(self, version: int) -> None:

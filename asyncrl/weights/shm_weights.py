@@ -154,6 +154,7 @@ class ShmWeightBroadcaster(WeightBroadcaster):
         *,
         mode: WeightMode = "full",
         lora_config: dict[str, Any] | None = None,
+        incarnation: str = "",
     ) -> dict[str, Any]:
         with self._lock:
             check_publish(tensors, version, self._last_version, mode, lora_config)
@@ -166,7 +167,8 @@ class ShmWeightBroadcaster(WeightBroadcaster):
                                  f"and that one must hold bytes")
             name = f"v{version}.bin"
             nbytes = self._write_bin(name, tensors, buckets, corrupt)
-            manifest = {"format": FORMAT, "version": version, "mode": mode, "lora_config": lora_config,
+            manifest = {"format": FORMAT, "version": version, "incarnation": incarnation, "mode": mode,
+                        "lora_config": lora_config,
                         "file": name, "nbytes": nbytes, "buckets": [b.to_wire() for b in buckets]}
             _write_atomic(self.directory / LATEST, orjson.dumps(manifest))
             self._last_version = version
@@ -274,8 +276,11 @@ class ShmWeightReceiver(WeightReceiver):
     def poll(self) -> WeightUpdate | None:
         return self._staging.poll()
 
-    def wait(self, version: int, timeout: float) -> WeightUpdate | None:
-        return self._staging.wait(version, timeout)
+    def wait(self, version: int, timeout: float, *, incarnation: str | None = None) -> WeightUpdate | None:
+        return self._staging.wait(version, timeout, incarnation)
+
+    def discard(self, update: WeightUpdate) -> None:
+        self._staging.discard(update)
 
     def commit(self, version: int) -> None:
         self._staging.commit(version)
@@ -327,8 +332,7 @@ class ShmWeightReceiver(WeightReceiver):
         manifest = self._read_manifest(now)
         if manifest is None:
             return
-        newest = self._staging.newest()
-        if newest is None or manifest["version"] > newest:
+        if self._staging.is_newer(manifest["version"], manifest["incarnation"]):
             self._fetch(manifest, now)
 
     def _read_manifest(self, now: float) -> dict[str, Any] | None:
@@ -340,6 +344,9 @@ class ShmWeightReceiver(WeightReceiver):
                 raise DecodeError(f"{LATEST}: bad version {m.get('version')!r:.20} or mode {m.get('mode')!r:.20}")
             if not isinstance(m.get("lora_config"), (dict, type(None))):
                 raise DecodeError(f"{LATEST}: lora_config must be a map or null")
+            m.setdefault("incarnation", "")
+            if not isinstance(m["incarnation"], str) or len(m["incarnation"]) > 64:
+                raise DecodeError(f"{LATEST}: incarnation must be a string of at most 64 chars")
             if not isinstance(m.get("file"), str) or not _BIN_NAME.fullmatch(m["file"]):
                 raise DecodeError(f"{LATEST}: bad file name {m.get('file')!r:.60}")
             m["buckets"] = buckets_from_wire(m.get("buckets"))
@@ -402,7 +409,7 @@ class ShmWeightReceiver(WeightReceiver):
         meta = {"receiver_id": self.receiver_id, "buckets": len(buffers), "staged_at": time.monotonic(),
                 "transfer_s": time.monotonic() - started}
         self._staging.stage(WeightUpdate(version=version, mode=m["mode"], tensors=tensors,
-                                         lora_config=m["lora_config"], metadata=meta))
+                                         lora_config=m["lora_config"], metadata=meta, incarnation=m["incarnation"]))
 
     def _fail(self, now: float, version: int | None, reason: str) -> None:
         self._staging.fail(version, reason)

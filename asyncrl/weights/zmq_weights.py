@@ -89,7 +89,7 @@ RECEIVER_KINDS = frozenset({WANT, GET, COMMIT})
 BROADCASTER_KINDS = frozenset({MANIFEST, NONE, BUCKET, GONE, ANNOUNCE})
 _OPT_INT = (int, NoneType)
 _REQUIRED: dict[str, dict[str, type | tuple[type, ...]]] = {
-    WANT: {"receiver_id": str, "have": _OPT_INT, "committed": _OPT_INT},
+    WANT: {"receiver_id": str, "have": _OPT_INT, "committed": _OPT_INT},  # + optional "have_incarnation": str
     GET: {"version": int, "index": int},
     COMMIT: {"receiver_id": str, "version": int},
     MANIFEST: {"version": int, "mode": str, "lora_config": (dict, NoneType), "nbytes": int, "buckets": list},
@@ -118,6 +118,8 @@ class _Version:
     """The encoded MANIFEST frames, sent as is to every WANT."""
     corrupt: dict[int, torch.Tensor] = field(default_factory=dict)
     """Fault injection: bucket index -> the corrupted copy served instead."""
+    incarnation: str = ""
+    """The trainer incarnation that published it."""
 
 
 class ZmqWeightBroadcaster(WeightBroadcaster):
@@ -172,6 +174,7 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
         *,
         mode: WeightMode = "full",
         lora_config: dict[str, Any] | None = None,
+        incarnation: str = "",
     ) -> dict[str, Any]:
         if self._error is not None:
             raise WeightSyncError(f"weight broadcaster I/O thread died: {self._error!r}") from self._error
@@ -188,9 +191,11 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
                 b.checksum = bucket_checksum(memoryview(buf.numpy()))
             t2 = time.perf_counter()
             nbytes = sum(b.nbytes for b in buckets)
-            manifest = {"version": version, "mode": mode, "lora_config": lora_config, "nbytes": nbytes,
+            manifest = {"version": version, "incarnation": incarnation, "mode": mode, "lora_config": lora_config,
+                        "nbytes": nbytes,
                         "buckets": [b.to_wire() for b in buckets]}
             entry = _Version(version, buckets, buffers, encode(MANIFEST, manifest))  # TypeError: lora_config
+            entry.incarnation = incarnation
             entry.corrupt = self._take_corruption(entry)
             with self._lock:
                 self._versions.append(entry)
@@ -340,7 +345,9 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
                 if body["committed"] is not None:
                     self._record_commit(body["receiver_id"], body["committed"])
                 newest = self._versions[-1] if self._versions else None
-            if newest is None or (body["have"] is not None and newest.version <= body["have"]):
+            have_inc = body.get("have_incarnation")
+            same_timeline = not isinstance(have_inc, str) or have_inc == newest.incarnation if newest else True
+            if newest is None or (body["have"] is not None and newest.version <= body["have"] and same_timeline):
                 self._send(sock, identity, encode(NONE, {}))  # nothing newer than what it has
             else:
                 self._send(sock, identity, newest.manifest)
@@ -379,6 +386,7 @@ class _Transfer:
     started: float
     last_progress: float
     next_index: int = 0
+    incarnation: str = ""
     inflight: set[int] = field(default_factory=set)
     buffers: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -440,8 +448,11 @@ class ZmqWeightReceiver(WeightReceiver):
     def poll(self) -> WeightUpdate | None:
         return self._staging.poll()
 
-    def wait(self, version: int, timeout: float) -> WeightUpdate | None:
-        return self._staging.wait(version, timeout)
+    def wait(self, version: int, timeout: float, *, incarnation: str | None = None) -> WeightUpdate | None:
+        return self._staging.wait(version, timeout, incarnation)
+
+    def discard(self, update: WeightUpdate) -> None:
+        self._staging.discard(update)
 
     def commit(self, version: int) -> None:
         self._staging.commit(version)
@@ -495,6 +506,7 @@ class ZmqWeightReceiver(WeightReceiver):
         if now >= self._next_want:
             self._next_want = now + WANT_INTERVAL_S
             self._send(sock, WANT, {"receiver_id": self.receiver_id, "have": self._staging.newest(),
+                                    "have_incarnation": self._staging.newest_incarnation(),
                                     "committed": self._staging.committed_version})
         t = self._transfer
         if t is not None and now - t.last_progress > self.timeout_s:
@@ -535,8 +547,13 @@ class ZmqWeightReceiver(WeightReceiver):
 
     def _manifest(self, sock: zmq.Socket, body: dict[str, Any], now: float) -> None:
         version, t = body["version"], self._transfer
-        newest = self._staging.newest()
-        if (newest is not None and version <= newest) or (t is not None and version <= t.version):
+        incarnation = body.get("incarnation", "")
+        if not isinstance(incarnation, str) or len(incarnation) > 64:
+            self._staging.count("bad_messages")
+            return
+        if not self._staging.is_newer(version, incarnation) or (
+            t is not None and incarnation == t.incarnation and version <= t.version
+        ):
             return
         if self._failed_version is not None and version <= self._failed_version and now < self._retry_after:
             return
@@ -553,7 +570,7 @@ class ZmqWeightReceiver(WeightReceiver):
             logger.info("receiver %s: abandoning version %d for newer %d", self.receiver_id, t.version, version)
         max_bucket = max((b.nbytes for b in buckets), default=0)
         self._max_bytes = max(self._max_bytes, max_bucket + (1 << 20))
-        self._transfer = _Transfer(version, body["mode"], body["lora_config"], buckets, now, now)
+        self._transfer = _Transfer(version, body["mode"], body["lora_config"], buckets, now, now, incarnation=incarnation)
         self._request(sock)
         self._maybe_finish(now)
 
@@ -599,7 +616,7 @@ class ZmqWeightReceiver(WeightReceiver):
         meta = {"receiver_id": self.receiver_id, "buckets": len(t.buckets), "staged_at": time.monotonic(),
                 "transfer_s": time.monotonic() - t.started}
         self._staging.stage(WeightUpdate(version=t.version, mode=t.mode, tensors=tensors,
-                                         lora_config=t.lora_config, metadata=meta))
+                                         lora_config=t.lora_config, metadata=meta, incarnation=t.incarnation))
 
     def _fail(self, now: float, reason: str, version: int | None = None) -> None:
         t, self._transfer = self._transfer, None

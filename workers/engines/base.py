@@ -78,6 +78,9 @@ class Engine(abc.ABC):
     announced by the pool instead of receiving weights."""
 
     policy_version: int = 0
+    incarnation: str = ""
+    """The trainer incarnation whose weights the engine holds (set by the worker when it applies an update,
+    or from the pool's leases for engines that follow the pool's version); stamped on every rollout."""
 
     @abc.abstractmethod
     def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:

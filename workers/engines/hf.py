@@ -227,7 +227,8 @@ class HFEngine(Engine):
                 than the adapter's rank, or a LoRA config differing from the first one. The policy is
                 unchanged then.
         """
-        if update.version < self.policy_version:  # equal: a reload (e.g. version 0 published at start-up)
+        # equal: a reload (e.g. version 0 published at start-up); older is fine from a new incarnation (a resume)
+        if update.version < self.policy_version and getattr(update, "incarnation", "") == self.incarnation:
             raise ValueError(f"weight update {update.version=} is older than the engine's {self.policy_version=}")
         if update.mode == "full":
             self._apply_full(update.tensors)

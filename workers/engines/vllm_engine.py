@@ -156,7 +156,8 @@ class VLLMEngine(Engine):
         Raises:
             ValueError: for a version older than the current one or an unknown mode.
         """
-        if update.version < self.policy_version:  # equal: a reload (e.g. version 0 published at start-up)
+        # equal: a reload (e.g. version 0 published at start-up); older is fine from a new incarnation (a resume)
+        if update.version < self.policy_version and getattr(update, "incarnation", "") == self.incarnation:
             raise ValueError(f"weight update {update.version=} is older than the engine's {self.policy_version=}")
         if update.mode == "full":
             from safetensors.torch import save
