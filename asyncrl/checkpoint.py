@@ -53,14 +53,14 @@ class CheckpointDir:
     Args:
         root: the checkpoints directory.
         world_size: ranks of this run (whose files a complete checkpoint must hold).
-        keep: complete checkpoints kept by :meth:`prune` (at least 1), besides whatever ``latest`` names.
+        keep: complete checkpoints kept by :meth:`prune`, besides whatever ``latest`` names; 0 keeps all.
         hook: called with ``(point, step)`` after each of :data:`SAVE_POINTS` (fault injection for tests).
     """
 
     def __init__(self, root: str | os.PathLike, *, world_size: int, keep: int = 2,
                  hook: Callable[[str, int], None] | None = None):
-        if keep < 1 or world_size < 1:
-            raise ValueError(f"need {keep=} >= 1 and {world_size=} >= 1")
+        if keep < 0 or world_size < 1:
+            raise ValueError(f"need {keep=} >= 0 and {world_size=} >= 1")
         self.root = Path(root)
         self.world_size = world_size
         self.keep = keep
@@ -122,7 +122,8 @@ class CheckpointDir:
         """Deletes every ``step-*`` directory but the newest ``keep`` complete ones and what ``latest`` names,
         and staging directories of killed saves (call between saves only). Returns what it deleted."""
         named = self.latest_named()
-        keep = set(self.complete()[-self.keep:])
+        complete = self.complete()
+        keep = set(complete[-self.keep:] if self.keep else complete)
         if named is not None:
             keep.add(named)
         doomed = [p for p in self.root.glob("step-*") if p not in keep and _NAME.match(p.name)]
