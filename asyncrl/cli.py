@@ -58,6 +58,8 @@ def _worker(args: argparse.Namespace) -> None:
         tree.update(loads_json(args.config_json))
     for item in args.set or []:
         _apply_override(tree, item)
+    if args.client_key_file:  # this worker's CURVE secret key: its public key is in the pool's allow-list
+        tree.setdefault("transport", {})["curve_client_key_file"] = args.client_key_file
     worker = from_dict(WorkerConfig, tree.get("worker", {}))
     transport = from_dict(TransportConfig, tree.get("transport", {}))
     worker_id = args.worker_id or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -93,6 +95,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     w.add_argument("--set", action="append", metavar="KEY=VALUE", help="dotted override, e.g. worker.slots=8")
     w.add_argument("--worker-id", help="unique worker name (default: host-pid-random)")
     w.add_argument("--server-key", help="the pools' CURVE public key (Z85) when they use CURVE")
+    w.add_argument("--client-key-file", help="this worker's CURVE secret key file (transport.curve_client_key_file)")
     w.add_argument("--parent-pid", type=int, help="exit as soon as this process is gone (the local launcher's pid)")
     w.add_argument("--log-level", default=os.environ.get("ASYNCRL_LOG_LEVEL", "WARNING"))
     w.set_defaults(func=_worker)

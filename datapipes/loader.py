@@ -116,7 +116,7 @@ class RolloutLoader(Loader[TrainBatch]):
         # per yielded batch: (pool reset generation, epoch, prompts); entries of an older generation are void
         self._uncommitted: collections.deque[tuple[int, int, list[int]]] = collections.deque()
         self.receiver: RolloutReceiver = setup_rollout_receiver(
-            config.transport, self.pool, prompts.__getitem__, rank=rank, world_size=world_size
+            config.transport, self.pool, prompts.__getitem__, rank=rank, world_size=world_size, gate=config.gate
         )
         self.endpoints = self._exchange_endpoints(self.receiver.start(), distributed)
         self.launcher: LocalWorkerLauncher | None = None

@@ -3,8 +3,9 @@
 Worker → pool: ``HELLO`` (register, with its credits), ``GROUP`` (one finished group for a lease),
 ``FAILED`` (a lease it could not finish), ``HEARTBEAT``, ``BYE``.
 Pool → worker: ``WELCOME`` (handshake reply), ``LEASES`` (prompts to generate = credits granted),
-``HEARTBEAT`` (carries the trainer's policy version), ``CANCEL`` (drop queued leases: the pool was
-reset), ``RESYNC`` (the pool forgot you; say HELLO again), ``SHUTDOWN``.
+``HEARTBEAT`` (carries the trainer's policy version), ``CANCEL`` (drop queued leases older than its
+``min_lease_id``: the pool was reset), ``RESYNC`` (the pool forgot you; say HELLO again), ``SHUTDOWN``
+(a worker answers BYE, which the closing pool waits for).
 
 Every body is a msgpack map checked here; a violation is a :class:`~asyncrl.codec.DecodeError`.
 """
@@ -92,6 +93,8 @@ def check_body(kind: str, body: Any, allowed: frozenset[str]) -> dict[str, Any]:
         DecodeError: naming the kind and field.
     """
     check_fields(kind, body, allowed, _REQUIRED, "message")
+    if kind == CANCEL and not isinstance(body.get("min_lease_id", 0), int):
+        raise DecodeError(f"cancel.min_lease_id must be an int, got {type(body['min_lease_id']).__name__}")
     if kind == HELLO:
         if not 1 <= body["slots"] <= 1 << 16 or not body["worker_id"] or len(body["worker_id"]) > 128:
             raise DecodeError(f"hello: slots must be in [1, 65536] and worker_id 1..128 chars, got {body!r:.200}")

@@ -111,20 +111,20 @@ def write_curve_key_file(path: str) -> str:
 
 
 def read_curve_keys_file(path: str) -> list[str]:
-    """The Z85 keys of a key file: one per line, blank lines and ``#`` comments ignored.
+    """The Z85 keys of a key file: one 40-character key per line; blank lines and comment lines (starting
+    with ``#`` and not a key: Z85 itself uses ``#``) are ignored.
 
     Raises:
-        ValueError: naming the file and line of a key that is not 40 Z85 characters.
+        ValueError: naming the file and line of a line that is neither a key nor a comment.
     """
     keys = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
-            key = line.split("#", 1)[0].strip()
-            if not key:
-                continue
-            if len(key) != 40:
-                raise ValueError(f"{path}:{n}: a CURVE key is 40 Z85 characters, got {len(key)}")
-            keys.append(key)
+            key = line.strip()
+            if len(key) == 40 and not any(c.isspace() for c in key):
+                keys.append(key)
+            elif key and not key.startswith("#"):
+                raise ValueError(f"{path}:{n}: a CURVE key is 40 Z85 characters, got {len(key)}: {key[:60]!r}")
     return keys
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl import EngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
-from asyncrl.transport.zmq_transport import ZmqRolloutReceiver, generate_curve_keys
+from asyncrl.transport.zmq_transport import ZmqRolloutReceiver, generate_curve_keys, write_curve_key_file
 
 pytestmark = pytest.mark.integration
 
@@ -78,20 +78,49 @@ def test_ipc_endpoint(tmp_path: Path):
         assert len(_epoch(loader)) == 12
 
 
-def test_curve_encrypted_pool_accepts_keyed_worker_only():
+def test_curve_pool_admits_only_the_worker_keys_it_lists(tmp_path: Path):
     public, secret = generate_curve_keys()
-    with RolloutLoader(_prompts(8), _config(curve_public_key=public, curve_secret_key=secret)) as loader:
-        stranger = _worker(loader.endpoint, "--set", "transport.handshake_timeout_s=2")
-        keyed = _worker(loader.endpoint, "--server-key", public)
+    key_file = tmp_path / "worker.key"
+    worker_public = write_curve_key_file(str(key_file))
+    allowed = tmp_path / "allowed-workers"
+    allowed.write_text(f"# workers allowed in\n{worker_public}\n")
+    curve = dict(curve_public_key=public, curve_secret_key=secret, curve_allowed_keys_file=str(allowed))
+    with RolloutLoader(_prompts(8), _config(**curve)) as loader:
+        quick = ("--set", "transport.handshake_timeout_s=2")
+        stranger = _worker(loader.endpoint, "--server-key", public, "--worker-id", "stranger", *quick)  # unknown key
+        plain = _worker(loader.endpoint, "--worker-id", "plain", *quick)  # no CURVE at all
+        keyed = _worker(loader.endpoint, "--server-key", public, "--client-key-file", str(key_file), "--worker-id", "keyed")
         try:
-            assert len(_epoch(loader)) == 8
+            groups = _epoch(loader)
             stranger.wait(30)
-            assert stranger.returncode != 0
-            assert "transport.handshake_timeout_s" in stranger.stderr.read()
+            plain.wait(30)
+            stats = loader.stats()["transport"]
         finally:
             _stop(stranger)
+            _stop(plain)
             loader.close()
             keyed.wait(20)
+    assert sorted(groups) == sorted(f"e0-p{i}" for i in range(8))
+    assert keyed.returncode == 0, keyed.stderr.read()[-2000:]
+    for refused in (stranger, plain):
+        assert refused.returncode != 0
+        assert "transport.handshake_timeout_s" in refused.stderr.read()
+    assert stats["curve_keys_refused"] >= 1 and stats["curve_keys_admitted"] >= 1
+    assert stats.get("handshakes_failed_protocol", 0) + stats.get("handshakes_failed", 0) >= 1  # the plain one
+    # only the listed worker ever joined, so nobody else was ever granted a lease
+    assert list(stats["workers"]) == ["keyed"] and stats["workers_joined"] == 1
+
+
+def test_curve_pool_without_an_allow_list_is_refused():
+    from asyncrl.ledger import PromptLedger
+    from asyncrl.pool import RolloutPool
+
+    public, secret = generate_curve_keys()
+    pool = RolloutPool(PromptLedger(4), group_size=1, capacity=1)
+    with pytest.raises(ValueError, match="transport.curve_allowed_keys"):
+        ZmqRolloutReceiver(TransportConfig(curve_public_key=public, curve_secret_key=secret), pool, lambda i: {})
+    open_door = TransportConfig(curve_public_key=public, curve_secret_key=secret, curve_allow_any_client=True)
+    ZmqRolloutReceiver(open_door, pool, lambda i: {})  # the documented opt-out
 
 
 def test_handshake_timeout_names_its_setting():
