@@ -11,7 +11,11 @@
 The main thread blocks only in ``take_leases`` (waiting for credits), in the engine, and in
 applying a staged weight update. Version fencing: a version is applied only once all of it is
 staged and verified, and only at a safe point between generation batches, so every completion
-carries the version whose weights produced it (the engine reports it). A lease the worker cannot
+carries the version whose weights produced it (the engine reports it). One timeline: every rollout
+also carries the trainer incarnation of its weights; a resumed trainer's weights replace a dead
+incarnation's whatever their version (the broadcaster is the authority), and a lease granted by an
+incarnation the engine does not hold waits up to ``weights.catch_up_s`` for that incarnation's weights
+before generating (the pool refuses rollouts off its timeline either way). A lease the worker cannot
 finish (engine or reward error) is reported as FAILED with the error text; the worker carries on.
 When a batch of several leases fails, each lease is generated again on its own, so one bad prompt
 does not fail its batch-mates (the pool counts failures per prompt and poisons a prompt that keeps
@@ -131,12 +135,6 @@ class RolloutWorker:
         self._report()
         update = update if update is not None else self.weights.poll()
         if update is None:
-            return False
-        live = getattr(self.sender, "incarnation", "")
-        if live and update.incarnation and update.incarnation != live:  # a rolled-back trainer's weights
-            logger.warning("worker %s: discarding staged version %d of dead trainer incarnation %s (live: %s)",
-                           self.worker_id, update.version, update.incarnation, live)
-            self.weights.discard(update)
             return False
         t0 = time.perf_counter()
         try:

@@ -521,6 +521,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
                 "heartbeat_s": self.config.heartbeat_s,
                 "peer_timeout_s": self.config.peer_timeout_s,
                 "policy_version": self.pool.policy_version,
+                "incarnation": self.pool.incarnation,
             },
         )
 
@@ -630,6 +631,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
                 return  # pool is at capacity or has nothing pending: nobody else gets any either
             body = {
                 "policy_version": self.pool.policy_version,
+                "incarnation": self.pool.incarnation,
                 "leases": [
                     {
                         "lease_id": lease.lease_id,
@@ -930,6 +932,7 @@ class ZmqRolloutSender(RolloutSender):
                 if not isinstance(floor, int) or isinstance(floor, bool):
                     floor = None  # a pool that names no floor: every queued lease of that connection
                 void = {id(x) for x in self._leases if x.conn == conn and (floor is None or x.lease_id < floor)}
+                self.counters["cancels_received"] += 1
                 self.counters["leases_cancelled"] += len(void)
                 self._leases = collections.deque(x for x in self._leases if id(x) not in void)
             elif kind == P.RESYNC:

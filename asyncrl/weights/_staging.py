@@ -247,12 +247,6 @@ class StagingArea:
         with self._cv:
             return self._ready(None)
 
-    def discard(self, update: WeightUpdate) -> None:
-        with self._cv:
-            if self._staged is update:
-                self._staged = None
-                self._counters["discarded_dead_incarnation"] += 1
-
     def wait(self, version: int, timeout: float, incarnation: str | None = None) -> WeightUpdate | None:
         deadline = time.monotonic() + timeout
         with self._cv:

@@ -174,10 +174,6 @@ class WeightReceiver(abc.ABC):
         returns it or None."""
 
     @abc.abstractmethod
-    def discard(self, update: WeightUpdate) -> None:
-        """Drops a staged update without applying it (weights of a dead incarnation)."""
-
-    @abc.abstractmethod
     def commit(self, version: int) -> None:
         """Reports that the engine now runs ``version`` (phase two)."""
 

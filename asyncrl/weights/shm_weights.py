@@ -279,9 +279,6 @@ class ShmWeightReceiver(WeightReceiver):
     def wait(self, version: int, timeout: float, *, incarnation: str | None = None) -> WeightUpdate | None:
         return self._staging.wait(version, timeout, incarnation)
 
-    def discard(self, update: WeightUpdate) -> None:
-        self._staging.discard(update)
-
     def commit(self, version: int) -> None:
         self._staging.commit(version)
         record = {"receiver_id": self.receiver_id, "version": version, "pid": os.getpid(), "time": time.time()}

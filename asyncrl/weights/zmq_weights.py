@@ -451,9 +451,6 @@ class ZmqWeightReceiver(WeightReceiver):
     def wait(self, version: int, timeout: float, *, incarnation: str | None = None) -> WeightUpdate | None:
         return self._staging.wait(version, timeout, incarnation)
 
-    def discard(self, update: WeightUpdate) -> None:
-        self._staging.discard(update)
-
     def commit(self, version: int) -> None:
         self._staging.commit(version)
         self._commits.append(version)  # the I/O thread sends it on its next tick
