@@ -3,6 +3,7 @@ loopback-only default, and a worker that outlives a trainer restart's silence.""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -177,3 +178,59 @@ def test_worker_serves_the_pools_that_answer():
             proc.wait(20)
     assert len(groups) == 16
     assert proc.returncode == 0, proc.stderr.read()[-3000:]
+
+
+def test_cancel_after_a_reset_keeps_the_leases_granted_since():
+    """The bad interleaving forced: the reset pool grants the new timeline's leases before its CANCEL of the
+    old timeline leaves. The worker must keep them (it used to drop every queued lease, which the ledger
+    then counted as held until lease_timeout_s: the stall of load_state_dict with running workers)."""
+    from asyncrl.ledger import PromptLedger
+    from asyncrl.pool import RolloutPool
+    from asyncrl.transport.zmq_transport import ZmqRolloutSender
+
+    pool = RolloutPool(PromptLedger(32), group_size=1, capacity=32)
+    receiver = ZmqRolloutReceiver(TransportConfig(**FAST), pool, lambda i: {"prompt_ids": [i + 1]})
+    pool.start_epoch(0)
+    sender = ZmqRolloutSender(TransportConfig(**FAST), [receiver.start()], worker_id="w", slots=4)
+    try:
+        sender.start()
+        old = sender.take_leases(4, timeout=10)  # the worker is busy with these
+        assert old
+        saved = pool.state_dict()
+        with sender._cv:  # the I/O thread's queue; stop here so the new leases are still queued
+            while sender._leases:
+                sender._leases.popleft()
+        pool.load_state_dict(saved)  # the reset: a new timeline, whose leases the receiver grants at once
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any(x.lease_id >= pool.min_lease_id for x in list(sender._leases)):
+            time.sleep(0.01)
+        queued = {x.lease_id for x in list(sender._leases) if x.lease_id >= pool.min_lease_id}
+        assert queued, "the reset pool granted no new lease"
+        receiver.cancel_all()  # ... and only now the CANCEL of the old timeline
+        while time.monotonic() < deadline and sender.counters["cancels_received"] == 0:
+            time.sleep(0.01)
+        assert sender.counters["cancels_received"] == 1
+        kept = {x.lease_id for x in sender.take_leases(32, timeout=0.5)}
+    finally:
+        sender.close()
+        receiver.close()
+    assert queued <= kept, f"the worker dropped leases of the live timeline: {sorted(queued - kept)}"
+
+
+def test_load_state_dict_into_a_running_loader_keeps_the_leases_granted_since():
+    """The pool grants the restored timeline's leases as soon as the state is loaded, before the CANCEL of
+    the old timeline reaches the workers; a CANCEL that dropped every queued lease left those held by
+    nobody until lease_timeout_s (a stall in 4 of 8 ordered trials). CANCEL now names the timeline's first
+    lease id and workers drop only older ones: no lease ever expires here."""
+    config = dataclasses.replace(_config(), ordered=True, num_workers=2, lease_timeout_s=4.0, batch_size=2)
+    with RolloutLoader(_prompts(64), config) as loader:
+        it = iter(loader)
+        next(it)
+        for _ in range(8):
+            loader.load_state_dict(loader.state_dict())
+            it = iter(loader)
+            next(it)
+            next(it)
+        stats = loader.stats()
+    assert stats["transport"].get("leases_expired", 0) == 0, stats["transport"]
+    assert stats["ledger"].get("requeued_expired", 0) == 0
