@@ -106,28 +106,73 @@ def test_sigkill_and_resume_trains_each_group_once_with_identical_losses(tmp_pat
     while len(_metrics(run)) < 5:  # past the step-3 checkpoint: steps 4-5 will be lost and redone
         assert proc.poll() is None and time.monotonic() < deadline, "run ended before it could be killed"
         time.sleep(0.05)
+    pids = {rank: (run / f"pid-rank{rank}").read_text() for rank in (0, 1)}
+    # one run per run directory: a second one (here a --resume) is refused at once, with the holder named
+    second = _torchrun(run, *steps, resume=True)
+    out, _ = second.communicate(timeout=300)
+    assert second.returncode != 0, out[-3000:]
+    assert f"is in use by another run (pid {pids[0]} on " in out, out[-3000:]
+    assert {rank: (run / f"pid-rank{rank}").read_text() for rank in (0, 1)} == pids  # it wrote nothing
+    assert len(_metrics(run)) >= 5 and proc.poll() is None  # and the holder trains on, untouched
     for rank in (0, 1):  # SIGKILL the trainer ranks mid-run; their workers notice and exit
-        os.kill(int((run / f"pid-rank{rank}").read_text()), signal.SIGKILL)
+        os.kill(int(pids[rank]), signal.SIGKILL)
     proc.communicate(timeout=120)
     assert (run / "checkpoints" / "latest").read_text() == "step-000003"
+    assert max(r["step"] for r in _metrics(run)) >= 5  # steps 4-5 logged, then rolled back by the resume
     half_written = run / "checkpoints" / ".step-000006.tmp"  # what a crash in the middle of a save leaves
     half_written.mkdir()
     (half_written / "loader-rank0.pt").write_bytes(b"truncated")
-    kept = {r: [rec for rec in _consumed(run, r) if rec["step"] <= 3] for r in (0, 1)}
-    lines_before = {r: len(_consumed(run, r)) for r in (0, 1)}
-    metrics_before = len(_metrics(run))
 
-    _finish(_torchrun(run, *steps, resume=True))
-    resumed = {r: _consumed(run, r)[lines_before[r]:] for r in (0, 1)}
-    groups = collections.Counter(g for r in (0, 1) for rec in kept[r] + resumed[r] for g in rec["group_ids"])
+    _finish(_torchrun(run, *steps, resume=True))  # the killed holder's lock went with it
+    _assert_each_step_recorded_once(run, steps=8)
+    groups = collections.Counter(g for r in (0, 1) for rec in _consumed(run, r) for g in rec["group_ids"])
     assert set(groups) == {f"e0-p{i}" for i in range(64)} and max(groups.values()) == 1
 
     ref = {r["step"]: r for r in _metrics(reference)}
-    after = _metrics(run)[metrics_before:]
-    assert [r["step"] for r in after] == [4, 5, 6, 7, 8]
-    for r in after:
+    for r in _metrics(run):
         assert r["loss"] == pytest.approx(ref[r["step"]]["loss"], abs=1e-6), f"step {r['step']}"
         assert r["reward_mean"] == pytest.approx(ref[r["step"]]["reward_mean"], abs=1e-6)
+
+
+def _assert_each_step_recorded_once(run: Path, steps: int) -> None:
+    """The run's records after a resume: every step 1..steps exactly once in metrics.jsonl and in each rank's
+    consumed and debug records, each anomaly at most once (the rolled-back steps' lines were removed)."""
+    from asyncrl.debug.record import read_records
+
+    expected = list(range(1, steps + 1))
+    assert [r["step"] for r in _metrics(run)] == expected
+    for rank in (0, 1):
+        assert [r["step"] for r in _consumed(run, rank)] == expected, f"consumed-rank{rank}.jsonl"
+        assert [r["step"] for r in read_records(run / "debug" / f"steps-rank{rank}.jsonl")] == expected
+    anomalies = run / "debug" / "anomalies.jsonl"
+    if anomalies.exists():
+        lines = collections.Counter((a["step"], a["rank"], a["kind"]) for a in map(json.loads, anomalies.read_text().splitlines()))
+        assert not lines or max(lines.values()) == 1, lines
+
+
+def test_a_kill_inside_the_final_save_resumes_from_a_complete_checkpoint(tmp_path):
+    # checkpoint.every=1 used to save the final step twice, the second time rmtree-ing the step-N that latest
+    # named before replacing it: a kill in that gap left latest naming nothing. Kill inside the final save,
+    # after its step-N is renamed into place but before latest moves, then resume.
+    steps = ["train.steps=4", "checkpoint.every=1", "checkpoint.keep=2", *SMALL]
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints"
+    proc = _torchrun(run, *steps, "train.pause_in_save_at_step=4", "train.pause_in_save_point=renamed")
+    deadline = time.monotonic() + 600
+    while not (ckpt / "step-000004").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "run ended before it could be killed in the save"
+        time.sleep(0.05)
+    _kill_run(proc)
+    assert (ckpt / "latest").read_text() == "step-000003"  # the renamed step-4 is complete but not named
+    out = _finish(_torchrun(run, *steps, resume=True))
+    assert "resumed from" in out and "at step 3" in out, out[-3000:]
+    # step 4 trained again and saved once, under a new name (nothing latest named was touched)
+    assert (ckpt / "latest").read_text() == "step-000004.1"
+    from asyncrl.checkpoint import CheckpointDir
+
+    assert CheckpointDir(ckpt, world_size=2).why_incomplete(ckpt / "step-000004.1") is None
+    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-000004", "step-000004.1"]  # keep=2, by commit
+    _assert_each_step_recorded_once(run, steps=4)
 
 
 def test_guard_rejects_nan_batch_restores_exactly_and_dump_replays(tmp_path):
@@ -207,3 +252,73 @@ def test_fsdp2_trains_checkpoints_and_resumes(tmp_path):
     assert "resumed from" in out and "step 4" in out
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and all(r["accepted"] for r in rows)
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live descendant of ``pid`` (the rollout workers a rank started), from /proc."""
+    parents: dict[int, list[int]] = collections.defaultdict(list)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+                continue
+            parents[ppid].append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _lines(path: Path) -> int:
+    """Complete lines written so far (a line being written is not counted, nor parsed)."""
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def _alive(pid: int) -> bool:
+    """Exists and is not a zombie (an orphan's zombie waits for init, not for us)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_killing_torchrun_ends_its_ranks_and_their_workers(tmp_path):
+    # torchrun starts each rank in a session of its own: SIGKILL of torchrun's process group used to leave both
+    # ranks and their rollout workers training on (69 more steps in one run, latest moved from 40 to 130)
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints"
+    proc = _torchrun(run, "train.steps=100000", "checkpoint.every=25", "train.sft_steps=0", "rollout.batch_size=4",
+                     "rollout.group_size=4")
+    survivors: set[int] = set()
+    try:
+        deadline = time.monotonic() + 600
+        # past the step-25 checkpoint, the next one 25 steps away
+        while _lines(run / "metrics.jsonl") < 26 or not (ckpt / "latest").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "run ended before it could be killed"
+            time.sleep(0.05)
+        ranks = {int((run / f"pid-rank{r}").read_text()) for r in (0, 1)}
+        workers = set().union(*(_descendants(pid) for pid in ranks))
+        assert len(workers) >= 2, f"expected a rollout worker per rank, found {workers}"
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun's whole process group (it runs in a session of its own)
+        latest = (ckpt / "latest").read_text()
+        steps_at_kill = _lines(run / "metrics.jsonl")
+        proc.wait()  # not communicate(): orphaned ranks would hold its stdout open
+        survivors = ranks | workers
+        deadline = time.monotonic() + 30
+        while any(map(_alive, survivors)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = {pid for pid in survivors if _alive(pid)}
+        assert not left, f"still running {time.monotonic() - deadline + 30:.0f} s after torchrun was killed: {left}"
+        assert (ckpt / "latest").read_text() == latest, "orphaned ranks moved latest"
+        assert _lines(run / "metrics.jsonl") <= steps_at_kill + 1, "orphaned ranks trained on"  # + a step in flight at the kill
+        print(f"ranks {sorted(ranks)} and workers {sorted(workers)} gone; latest stayed {latest}")
+    finally:
+        for pid in survivors:  # what we started, by pid, if the fix failed
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            _kill_run(proc)
+        proc.stdout.close()
