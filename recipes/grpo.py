@@ -17,7 +17,9 @@ off-policy), k (fully async). Per step, on every rank::
 
 Outputs in ``run_dir``: ``metrics.jsonl`` (one line per step, rank 0), ``consumed-rank{r}.jsonl`` (the
 groups each rank trained on), ``checkpoints/step-N`` (model + optimizer via torch.distributed.checkpoint,
-loader state per rank, version, RNG, config; written to a temp dir and renamed), ``dumps/`` (rejected and
+loader state per rank, version, RNG, config; staged, marked COMPLETE, renamed, then ``latest`` moves: see
+asyncrl.checkpoint), ``.lock`` (held by rank 0 while the run lives, naming it: a second run on the directory is
+refused; asyncrl.run_dir), ``dumps/`` (rejected and
 anomalous batches, msgpack), ``report.png`` (reward and staleness over steps), ``debug/`` (the debugger's per-step
 record and anomalies) and ``report/index.html`` (``asyncrl report``).
 """
