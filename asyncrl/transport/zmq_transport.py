@@ -57,6 +57,14 @@ from asyncrl.gate import GateError, check_group
 from asyncrl.pool import RolloutPool
 from asyncrl.rollout import Group, Rollout
 from asyncrl.transport import protocol as P
+from asyncrl.transport._curve import (
+    allowed_keys,
+    client_secret_key,
+    generate_curve_keys,
+    read_curve_keys_file,
+    start_authenticator,
+    write_curve_key_file,
+)
 from asyncrl.transport._zmq_util import drain
 from asyncrl.transport.base import HandshakeTimeout, PeerLost, ReceivedLease, RolloutReceiver, RolloutSender
 
@@ -92,71 +100,6 @@ _MONITOR_EVENTS = {
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshakes_failed_protocol",
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshakes_failed_auth",
 }
-
-
-def generate_curve_keys() -> tuple[str, str]:
-    """A new CURVE ``(public, secret)`` key pair, Z85 text."""
-    public, secret = zmq.curve_keypair()
-    return public.decode(), secret.decode()
-
-
-def write_curve_key_file(path: str) -> str:
-    """Writes a new CURVE secret key to ``path`` (mode 0600, for ``transport.curve_client_key_file`` or
-    ``asyncrl worker --client-key-file``); returns its public key, the one to put in the pool's allow-list."""
-    public, secret = generate_curve_keys()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(f"# asyncrl worker CURVE secret key; public key: {public}\n{secret}\n")
-    return public
-
-
-def read_curve_keys_file(path: str) -> list[str]:
-    """The Z85 keys of a key file: one 40-character key per line; blank lines and comment lines (starting
-    with ``#`` and not a key: Z85 itself uses ``#``) are ignored.
-
-    Raises:
-        ValueError: naming the file and line of a line that is neither a key nor a comment.
-    """
-    keys = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            key = line.strip()
-            if len(key) == 40 and not any(c.isspace() for c in key):
-                keys.append(key)
-            elif key and not key.startswith("#"):
-                raise ValueError(f"{path}:{n}: a CURVE key is 40 Z85 characters, got {len(key)}: {key[:60]!r}")
-    return keys
-
-
-def _client_secret_key(config: TransportConfig) -> str | None:
-    if config.curve_client_secret_key is not None:
-        return config.curve_client_secret_key
-    if config.curve_client_key_file is not None:
-        keys = read_curve_keys_file(config.curve_client_key_file)
-        if not keys:
-            raise ValueError(f"transport.curve_client_key_file={config.curve_client_key_file!r} holds no key")
-        return keys[0]
-    return None
-
-
-def _allowed_keys(config: TransportConfig) -> frozenset[str]:
-    keys = list(config.curve_allowed_keys)
-    if config.curve_allowed_keys_file is not None:
-        keys += read_curve_keys_file(config.curve_allowed_keys_file)
-    return frozenset(keys)
-
-
-class _AllowList:
-    """ZAP credentials provider (``zmq.auth``): admits the listed CURVE client keys, counts the rest."""
-
-    def __init__(self, keys: frozenset[str], count: Callable[[str], None]):
-        self.keys = keys
-        self.count = count
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        ok = key.decode("ascii", "replace") in self.keys
-        self.count("curve_keys_admitted" if ok else "curve_keys_refused")
-        return ok
 
 
 def check_bind_address(config: TransportConfig) -> None:
@@ -222,7 +165,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
         gate: GateConfig | None = None,
     ):
         check_bind_address(config)
-        self._allowed = _allowed_keys(config)
+        self._allowed = allowed_keys(config)
         if config.curve_secret_key is not None and not self._allowed and not config.curve_allow_any_client:
             raise ValueError(
                 "a CURVE pool needs an allow-list of worker public keys: set transport.curve_allowed_keys or "
@@ -326,15 +269,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
         """The ZAP handler of a CURVE pool (before bind: libzmq asks it at every CURVE handshake)."""
         if self.config.curve_secret_key is None:
             return None
-        from zmq.auth.thread import ThreadAuthenticator
-
-        auth = ThreadAuthenticator(self._ctx, log=logging.getLogger(f"{__name__}.zap"))
-        auth.start()
-        if self._allowed:
-            auth.configure_curve_callback("*", credentials_provider=_AllowList(self._allowed, self._count))
-        else:  # transport.curve_allow_any_client: encryption without client authentication
-            auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
-        return auth
+        return start_authenticator(self._ctx, self._allowed, self._count)
 
     def _run(self) -> None:
         auth = monitor = None
@@ -684,7 +619,7 @@ class ZmqRolloutSender(RolloutSender):
         self.worker_id = worker_id
         self.slots = slots
         self.server_key = server_key
-        secret = _client_secret_key(config)
+        secret = client_secret_key(config)
         # the pool's allow-list names this worker's public key; without a configured key, a throw-away pair
         self._client_keys: tuple[bytes, bytes] = (
             (zmq.curve_public(secret.encode()), secret.encode()) if secret is not None else zmq.curve_keypair()
