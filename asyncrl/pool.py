@@ -392,6 +392,13 @@ class RolloutPool:
             self.cond.notify_all()
         return n
 
+    def commit_delivered(self, *, except_prompts: set[int] | frozenset[int] = frozenset()) -> int:
+        """Consumes every delivered group of this epoch except ``except_prompts`` (those the consumer has
+        fetched but not trained yet). Returns the number consumed."""
+        with self.cond:
+            done = [i for i in self._delivered if i not in except_prompts]
+        return self.commit(self.ledger.epoch, done) if done else 0
+
     @property
     def num_delivered(self) -> int:
         """Groups yielded whose update is not committed yet."""

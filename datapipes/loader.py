@@ -12,10 +12,11 @@ buffered rollouts, consumed watermark); ``set_policy_version(v)`` after each opt
 the pool which rollouts are now too stale to yield, and commits the batches that fed the step.
 
 Acknowledged consumption: a yielded batch counts as consumed when the trainer commits the update it
-fed, not when it is yielded. ``set_policy_version(v)`` (or ``commit()``, after a rejected update)
-commits every batch yielded so far except the newest ``config.prefetch`` ones, the batches a
-prefetching consumer (Lightning: 1) has fetched but not trained yet; ``state_dict()`` saves the
-uncommitted ones for re-delivery. Every rollout is stamped with the trainer incarnation whose weights
+fed, not when it is yielded. ``set_policy_version(v)``, ``commit()`` and ``state_dict()`` commit every
+batch yielded so far except the newest ``config.prefetch`` ones, the batches a prefetching consumer
+(Lightning: 1) has fetched but not trained yet; the state saves those for re-delivery, so a checkpoint
+taken with a batch prefetched loses nothing. (With ``prefetch=0``, the default, a state after k batches
+continues at batch k + 1, as for any torchdata node.) Every rollout is stamped with the trainer incarnation whose weights
 made it; the pool trains only rollouts of this run's timeline (:mod:`asyncrl.timeline`).
 
 M:N: with ``world_size`` trainer ranks, each rank's loader owns shard ``rank`` of the prompt ledger
@@ -135,8 +136,9 @@ class RolloutLoader(Loader[TrainBatch]):
             poll_timeout_s=config.poll_timeout_s,
             wait_timeout_s=config.wait_timeout_s,
             health_check=self._health_check,
+            before_state=self.commit,
         )
-        node = GroupFilter(self.pool_node, self._committing(group_filter)) if group_filter is not None else self.pool_node
+        node = GroupFilter(self.pool_node, group_filter) if group_filter is not None else self.pool_node
         node = Mapper(Batcher(node, config.batch_size, drop_last=False), self._recording(collate_fn))
         super().__init__(node, restart_on_stop_iteration=True)
         self._finalizer = weakref.finalize(self, _close, self.receiver, self.launcher)
@@ -145,18 +147,12 @@ class RolloutLoader(Loader[TrainBatch]):
         def collate(groups: list[Group]) -> Any:  # runs in the trainer thread, right before the batch is yielded
             if groups:
                 self._uncommitted.append((self.pool.min_lease_id, groups[0].epoch, [g.prompt_index for g in groups]))
+                # fetching a batch means the consumer is done with all but the newest prefetch before it (FIFO):
+                # bounds what is held for re-delivery even in a loop that never commits
+                self._commit(keep=self.config.prefetch + 1)
             return collate_fn(groups)
 
         return collate
-
-    def _committing(self, group_filter: Callable[[Group], bool]) -> Callable[[Group], bool]:
-        def keep(group: Group) -> bool:  # a group filtered out is done with: consumed without training
-            ok = group_filter(group)
-            if not ok:
-                self.pool.commit(group.epoch, [group.prompt_index], generation=self.pool.min_lease_id)
-            return ok
-
-        return keep
 
     def _exchange_endpoints(self, endpoint: str, distributed: bool) -> list[str]:
         if not distributed or self.world_size == 1:
@@ -203,13 +199,18 @@ class RolloutLoader(Loader[TrainBatch]):
         self.commit()
 
     def commit(self) -> int:
-        """Marks every batch yielded so far as consumed, except the newest ``config.prefetch`` (fetched
-        ahead, not trained yet). Returns the number of groups consumed."""
-        n = 0
-        while len(self._uncommitted) > self.config.prefetch:
-            generation, epoch, prompts = self._uncommitted.popleft()
-            n += self.pool.commit(epoch, prompts, generation=generation)
-        return n
+        """Marks every group yielded so far as consumed (groups a filter dropped included), except those of
+        the newest ``config.prefetch`` batches (fetched ahead, not trained yet). ``state_dict()`` does the
+        same first, so the state a checkpoint saves re-delivers exactly the batches not trained yet.
+        Returns the number of groups consumed."""
+        return self._commit(keep=self.config.prefetch)
+
+    def _commit(self, keep: int) -> int:
+        while len(self._uncommitted) > keep:
+            self._uncommitted.popleft()
+        generation, epoch = self.pool.min_lease_id, self.pool.ledger.epoch
+        held = {i for g, e, prompts in self._uncommitted if (g, e) == (generation, epoch) for i in prompts}
+        return self.pool.commit_delivered(except_prompts=held)
 
     def stats(self) -> dict[str, Any]:
         """Counters of the pool, ledger, transport and local workers (for logs and metrics)."""
@@ -220,10 +221,12 @@ class RolloutLoader(Loader[TrainBatch]):
             in_flight = self.pool.groups_in_flight
             buffered_bytes = self.pool.buffered_bytes
             epoch, consumed = self.pool.ledger.epoch, self.pool.ledger.num_consumed
+            delivered = self.pool.num_delivered  # yielded, not trained yet (re-delivered by a checkpoint)
             skipped = self.pool.ledger.skipped  # poisoned prompts skipped this epoch: done, never consumed
         return {
             "epoch": epoch,
             "consumed": consumed,
+            "delivered": delivered,
             "policy_version": self.pool.policy_version,
             "groups_in_flight": in_flight,
             "buffered_bytes": buffered_bytes,

@@ -4,9 +4,10 @@ It is the source node of a trainer rank's loader graph. ``next()`` blocks on the
 (in slices of ``poll_timeout_s``, checking worker health in between) until a fresh group is ready;
 it raises ``StopIteration`` once every prompt of this rank's shard of the epoch has been consumed.
 ``get_state()`` is the pool's state: ledger cursor, leases outstanding (saved as prompts to
-re-issue), buffered and partial groups, consumed watermark and policy version. It owns every
-rollout not yet given to the trainer, so nothing above it may prefetch (see the torchdata notes:
-a Prefetcher over a live source loses what it buffered on restore).
+re-issue), buffered and partial groups, groups delivered but not yet trained (re-delivered on
+resume), consumed watermark, timeline and policy version. It owns every rollout not yet trained, so
+nothing above it may prefetch with torchdata's Prefetcher (see the torchdata notes: it loses what it
+buffered on restore); a consumer that prefetches says so with ``LoaderConfig.prefetch``.
 
 ``reset(None)`` starts the next epoch (the first call starts epoch 0), unless nothing was yielded
 since the last reset: an ``iter()`` that yields nothing (Lightning calls ``iter()`` to check a loader)
@@ -38,6 +39,9 @@ class RolloutPoolNode(BaseNode[Group]):
         poll_timeout_s: wait slice between health checks.
         wait_timeout_s: raise if no group arrives for this long (None: wait forever).
         health_check: called between waits (e.g. restart dead local workers); may raise.
+        before_state: called first by ``get_state()`` (the loader commits what the consumer has trained:
+            every delivered group but those of the batches it fetched ahead). None: every delivered group
+            counts as consumed in the state, as a plain torchdata node's would.
     """
 
     STATE_VERSION = 1
@@ -52,6 +56,7 @@ class RolloutPoolNode(BaseNode[Group]):
         poll_timeout_s: float = 1.0,
         wait_timeout_s: float | None = None,
         health_check: Callable[[], None] | None = None,
+        before_state: Callable[[], Any] | None = None,
     ):
         super().__init__()
         self.pool = pool
@@ -59,6 +64,7 @@ class RolloutPoolNode(BaseNode[Group]):
         self.poll_timeout_s = poll_timeout_s
         self.wait_timeout_s = wait_timeout_s
         self.health_check = health_check
+        self.before_state = before_state
         self._epochs_started = 0
         self._yielded_since_reset = 0
         self._next_check = 0.0
@@ -103,4 +109,8 @@ class RolloutPoolNode(BaseNode[Group]):
                 )
 
     def get_state(self) -> dict[str, Any]:
+        if self.before_state is not None:
+            self.before_state()
+        else:
+            self.pool.commit_delivered()
         return {self.VERSION_KEY: self.STATE_VERSION, self.POOL_KEY: self.pool.state_dict()}
