@@ -99,7 +99,7 @@ def test_rogue_peer_is_counted_and_harmless():
             consumed = list(next(it)["group_ids"])
             for frames in bad:
                 rogue.send_multipart(frames)
-            # a well-formed group for a prompt nobody leased to the rogue is still data: first result wins
+            # a well-formed group for a prompt nobody leased to the rogue: refused (tests/integration/test_gate.py)
             rogue.send_multipart(encode(P.GROUP, {"lease_id": 10**9, "group": _group(NUM_PROMPTS - 1).to_wire()}))
             consumed += [g for batch in it for g in batch["group_ids"]]
             deadline = time.monotonic() + 5
@@ -113,5 +113,6 @@ def test_rogue_peer_is_counted_and_harmless():
     assert set(counts) == {f"e0-p{i}" for i in range(NUM_PROMPTS)}
     assert max(counts.values()) == 1
     assert stats["transport"]["bad_messages"] == expected_bad
+    assert stats["transport"]["not_leased_to_peer"] == 1
     assert len(stats["transport"]["recent_errors"]) > 0
     assert all(isinstance(e[1], str) and e[1] for e in stats["transport"]["recent_errors"])
