@@ -322,3 +322,22 @@ def test_killing_torchrun_ends_its_ranks_and_their_workers(tmp_path):
         if proc.poll() is None:
             _kill_run(proc)
         proc.stdout.close()
+
+
+def test_a_run_directory_held_by_another_run_is_refused_at_once(tmp_path):
+    # the holder here is this test process; a fresh run (and a --resume) must leave without writing anything
+    from asyncrl.run_dir import RunDirLock
+
+    run = tmp_path / "run"
+    lock = RunDirLock(run)
+    lock.acquire(["holder-of-the-test"])
+    try:
+        for resume in (False, True):
+            proc = _torchrun(run, *SMALL, resume=resume)
+            out, _ = proc.communicate(timeout=300)
+            assert proc.returncode != 0, out[-3000:]
+            assert f"is in use by another run (pid {os.getpid()} on " in out and "holder-of-the-test" in out, out[-3000:]
+            assert out.count("[rank 1] run directory") >= 1  # every rank leaves; none waits on the others
+        assert sorted(p.name for p in run.iterdir()) == [".lock"]  # no config, pid files, model or records
+    finally:
+        lock.release()
