@@ -18,8 +18,8 @@ Kinds (one multipart message each, chosen at random by weight, at most ``--rate`
 
 The DEALERs reconnect by themselves across trainer restarts (fixed port). They queue nothing while no
 pool is connected (``ZMQ_IMMEDIATE``): a send that cannot be queued is not counted, so the count is of
-messages handed to a live connection (a few may still die with a pool killed before reading them). On SIGTERM it writes ``--out``: counts per kind, total, hijacks, the
-prompts ``forged-main`` was leased.
+messages handed to a live connection (a few may still die with a pool killed before reading them).
+On SIGTERM it writes ``--out``: counts per kind, total, hijacks, the prompts ``forged-main`` was leased.
 """
 
 from __future__ import annotations

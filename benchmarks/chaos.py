@@ -2,11 +2,11 @@
 
 ::
 
-    harness ──starts──► trainer (benchmarks/_chaos_trainer.py) ──its launcher starts──► local workers
-       │                  pool on a fixed loopback port ◄══ZeroMQ══ remote workers (asyncrl worker --connect)
-       │                                                 ◄══════════ rogue peer (benchmarks/_chaos_rogue.py)
-       └─ every tick (0.1 s): SIGKILL a local worker, replace a remote worker, SIGKILL the trainer (at a random
-          moment or paused inside a checkpoint save) and start it again with --resume, all by pid, when the run's
+    harness ──starts──► trainer (benchmarks/_chaos_trainer.py) ──its launcher──► local workers
+       │                pool on a fixed loopback port ◄══ZeroMQ══ remote workers (asyncrl worker)
+       │                                              ◄══════════ rogue peer (benchmarks/_chaos_rogue.py)
+       └─ every tick (0.1 s): SIGKILL a local worker, replace a remote worker, SIGKILL the trainer (at a
+          random moment or paused inside a checkpoint save) and start it again with --resume, all by pid, when the run's
           progress crosses the next planned step; a phase without progress for --phase-deadline-s is a hang
           (reported, the trainer killed and resumed), the whole run is bounded by --run-deadline-s.
 
@@ -51,6 +51,9 @@ __all__ = ["ChaosConfig", "account", "main", "run_chaos"]
 SAVE_KILL_POINTS = ("staged", "written", "marked", "renamed", "pointed", "pruned")
 """Where kills inside a save land, in rotation (CheckpointDir's save points plus ``written``)."""
 REPO = Path(__file__).resolve().parent.parent
+REMOTE_PEER_TIMEOUT_S = 30.0
+"""Remote workers wait this long for a silent pool: they outlive trainer restarts, holding the dead
+incarnation's newest weights when the resumed trainer comes up (the dead-timeline case)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -200,7 +203,8 @@ class Harness:
 
     def start_remote(self) -> None:
         config = {"worker": dataclasses.asdict(T.worker_config(str(self.run / "weights"))),
-                  "transport": dataclasses.asdict(T.transport_config(self.port))}
+                  "transport": {**dataclasses.asdict(T.transport_config(self.port)),
+                                "peer_timeout_s": REMOTE_PEER_TIMEOUT_S}}
         argv = [sys.executable, "-m", "asyncrl.cli", "worker", "--connect", self.endpoint, "--worker-id",
                 f"remote-{self.remote_seq}", "--config-json", json.dumps(config)]
         self.remotes.append(self._popen(argv, f"remote-{self.remote_seq}"))
@@ -261,7 +265,8 @@ class Harness:
         if rc is not None:
             if rc == 0 and (self.run / "done.json").exists():
                 return False
-            self.crashes.append({"rc": rc, "step": self.progress(), "log": f"logs/trainer-{len(self.trainers) - 1}.log"})
+            log = f"logs/trainer-{len(self.trainers) - 1}.log"
+            self.crashes.append({"rc": rc, "step": self.progress(), "log": log})
             self.log(f"chaos: trainer exited with {rc} at step {self.progress()}; resuming")
             if len(self.crashes) > 5:
                 return False
@@ -511,6 +516,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM (a stopped run) unwinds through Harness.cleanup: every process we started ends, by pid
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("chaos: SIGTERM; stopping what it started"))
     cfg = ChaosConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ChaosConfig)})
     date = dt.datetime.now(dt.timezone.utc)
     out = Path(args.out or REPO / "benchmarks" / "results" / f"chaos-{date:%Y-%m-%d}.json")
