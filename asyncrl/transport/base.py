@@ -72,7 +72,8 @@ class RolloutReceiver(abc.ABC):
 
     @abc.abstractmethod
     def stats(self) -> dict[str, Any]:
-        """Counters: messages, bad frames by reason, workers joined/lost."""
+        """Counters: messages, bad frames, refusals by reason (``not_leased_to_peer``, ``gate_*``,
+        ``hello_refused_*``, ``curve_keys_refused``), workers joined/lost, connections dropped; ``workers``."""
 
     def rejected_rollouts(self) -> list[dict[str, Any]]:
         """The last few rollouts refused by validation: ``{"worker", "error", "rollout"}`` with the wire dict
