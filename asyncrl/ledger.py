@@ -203,9 +203,10 @@ class PromptLedger:
         return self.num_consumed + len(self._delivered) + len(self._skipped) == len(self.order)
 
     def next_in_order(self) -> int | None:
-        """The first prompt of the shard's order not yet consumed (ordered delivery), or None."""
+        """The first prompt of the shard's order not yet delivered or consumed (ordered delivery), or None."""
         pos = self._watermark
-        while pos < len(self.order) and (pos in self._consumed_above or self.order[pos] in self._skipped):
+        while pos < len(self.order) and (pos in self._consumed_above or self.order[pos] in self._skipped
+                                         or self.order[pos] in self._delivered):
             pos += 1
         return self.order[pos] if pos < len(self.order) else None
 

@@ -138,3 +138,17 @@ def test_prefetch_judges_staleness_at_the_training_version():
     assert pool.stats["stale_dropped"] == 1  # version 0 would be trained at 2
     with pytest.raises(ValueError, match="prefetch"):
         make_pool("a", max_staleness=0, prefetch=1)
+
+
+def test_ordered_delivery_moves_past_delivered_uncommitted_groups():
+    """Ordered mode once waited forever on the head of the order after yielding it (delivered is not consumed):
+    the recipe's reproducible regime stalled on its first batch."""
+    pool = RolloutPool(PromptLedger(6, seed=0), group_size=2, capacity=6, ordered=True, incarnation="a")
+    pool.start_epoch(0)
+    leases = pool.grant("w0", 6, now=0.0)
+    for lease in reversed(leases):
+        send(pool, lease, 0, "a")
+    got = [pool.take(0.01).prompt_index for _ in range(6)]  # none committed yet
+    assert got == pool.ledger.order
+    with pytest.raises(StopIteration):
+        pool.take(0)
