@@ -356,7 +356,9 @@ class GRPORecipe:
             weights=dataclasses.replace(cfg.weights, address=self.weights_address),
             engine=dataclasses.replace(cfg.rollout.worker.engine, model=self.model_dir, lora_rank=cfg.lora.rank),
         )
-        loader_cfg = dataclasses.replace(cfg.rollout, worker=worker, drop_remainder=True)
+        # the gate refuses token ids outside the model's vocabulary (a forged or broken worker's)
+        gate = dataclasses.replace(cfg.rollout.gate, vocab_size=cfg.rollout.gate.vocab_size or self.policy.config.vocab_size)
+        loader_cfg = dataclasses.replace(cfg.rollout, worker=worker, drop_remainder=True, gate=gate)
         self.loader = RolloutLoader(self.prompts, loader_cfg, incarnation=self.incarnation)
         self.loader.set_policy_version(self.version)
         if self.rank == 0 and not loader_cfg.num_workers:  # remote workers: tell the operator where to point them

@@ -84,3 +84,19 @@ def test_state_from_other_topology_is_rejected():
             iter(b)
     finally:
         b.close()
+
+
+def test_an_iter_that_yields_nothing_does_not_advance_the_epoch():
+    """Lightning calls iter() on a train loader to check it; that used to start epoch 0 and abandon it, so
+    training began at epoch 1. Only an iter() after something was yielded starts the next epoch."""
+    loader = _deterministic_loader()
+    try:
+        iter(loader)
+        iter(loader)
+        first = next(iter(loader))
+        assert all(g.startswith("e0-") for g in first["group_ids"])
+        assert loader.stats()["pool"].get("abandoned_uncommitted", 0) == 0
+        second = next(iter(loader))  # something was yielded: a new iter() starts epoch 1, as a DataLoader would
+        assert all(g.startswith("e1-") for g in second["group_ids"])
+    finally:
+        loader.close()
