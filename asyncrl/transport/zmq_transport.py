@@ -29,8 +29,9 @@ ZeroMQ drops a connection whose frame exceeds ``max_message_bytes`` without sayi
 monitor counts every ended connection (``connections_dropped``) and failed handshake.
 
 Shutdown: the pool sends SHUTDOWN to every worker it greeted and reads the socket until each answers
-BYE (at most ``SHUTDOWN_ACK_S``) before closing it; closing a TCP connection with unread input sends
-RST, which discards a SHUTDOWN the worker's side had not read yet.
+BYE (at most ``SHUTDOWN_ACK_S``) before closing it. A worker's DEALER has ``IMMEDIATE=1``, and libzmq
+then terminates a disconnected peer's pipe at once, discarding messages the application has not read
+yet: a pool that closed right after sending SHUTDOWN lost it whenever the worker's thread read late.
 """
 
 from __future__ import annotations
@@ -302,9 +303,10 @@ class ZmqRolloutReceiver(RolloutReceiver):
     def _say_shutdown(self, sock: zmq.Socket) -> bool:
         """SHUTDOWN to every worker greeted (reaped ones included: they may re-join) and to any identity heard
         from meanwhile (a worker whose connection was re-made), then reads the socket until each answers BYE,
-        at most ``SHUTDOWN_ACK_S``. Reading matters: a TCP connection closed with unread input sends RST, and
-        the RST discards a SHUTDOWN the worker had not read yet (seen under load: the worker waited, then
-        exited with PeerLost). Returns whether any SHUTDOWN left."""
+        at most ``SHUTDOWN_ACK_S``. The wait matters: a worker's DEALER has ``IMMEDIATE=1``, with which
+        libzmq drops a disconnected pipe's unread messages, so a SHUTDOWN still unread when the pool closed
+        the connection was lost (seen under load: the worker waited, then exited with PeerLost; 2 of 30 runs
+        of test_worker_serves_the_pools_that_answer with a core busy). Returns whether any SHUTDOWN left."""
         told = {identity for identity in [*self._greeted, *self._peers] if self._send(sock, identity, P.SHUTDOWN, {})}
         waiting = set(told)
         deadline = time.monotonic() + SHUTDOWN_ACK_S
@@ -874,7 +876,9 @@ class ZmqRolloutSender(RolloutSender):
                 self._hello(d)
             elif kind == P.SHUTDOWN:
                 if not self._shutdown[conn]:
-                    self._send(d, P.BYE, {})  # the acknowledgement the closing pool waits for
+                    # the acknowledgement the closing pool waits for: until it closes the connection, libzmq
+                    # (IMMEDIATE=1) would drop what we have not read yet
+                    self._send(d, P.BYE, {})
                 self._shutdown[conn] = True
             self._cv.notify_all()
 

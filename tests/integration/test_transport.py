@@ -234,3 +234,50 @@ def test_load_state_dict_into_a_running_loader_keeps_the_leases_granted_since():
         stats = loader.stats()
     assert stats["transport"].get("leases_expired", 0) == 0, stats["transport"]
     assert stats["ledger"].get("requeued_expired", 0) == 0
+
+
+def test_a_worker_that_reads_late_still_gets_shutdown():
+    """The root cause of a missed SHUTDOWN: a worker's DEALER has IMMEDIATE=1, with which libzmq drops a
+    disconnected pipe's unread messages, so a SHUTDOWN the worker had not read when the pool closed the
+    connection was lost (the worker then exited with PeerLost). The pool now keeps the connection open
+    until the worker's BYE (at most SHUTDOWN_ACK_S): a worker that reads late still gets it."""
+    import threading
+
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    from asyncrl.codec import decode, encode
+    from asyncrl.ledger import PromptLedger
+    from asyncrl.pool import RolloutPool
+    from asyncrl.transport import protocol as P
+
+    pool = RolloutPool(PromptLedger(4), group_size=1, capacity=1)
+    receiver = ZmqRolloutReceiver(TransportConfig(**FAST), pool, lambda i: {})
+    ctx = zmq.Context()
+    worker = ctx.socket(zmq.DEALER)
+    worker.setsockopt(zmq.IMMEDIATE, 1)  # as ZmqRolloutSender's
+    monitor = worker.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    worker.connect(receiver.start())
+    hello = {"worker_id": "late", "slots": 1, "pid": 1, "host": "h", "protocol": P.PROTOCOL_VERSION}
+    worker.send_multipart(encode(P.HELLO, hello))
+    assert worker.poll(10_000)
+    worker.recv_multipart()  # WELCOME; the worker reads nothing more for a while
+    closer = threading.Thread(target=receiver.close)
+    closer.start()
+    try:
+        disconnected = monitor.poll(500) and recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+        kinds = []
+        while worker.poll(1000):  # the late read
+            kind, _ = decode(worker.recv_multipart(copy=False), max_message_bytes=1 << 20)
+            kinds.append(kind)
+            if kind == P.SHUTDOWN:
+                worker.send_multipart(encode(P.BYE, {}))
+                break
+        closer.join(10)
+    finally:
+        worker.disable_monitor()
+        monitor.close(linger=0)
+        worker.close(linger=0)
+        ctx.term()
+    assert not disconnected, "the pool closed the connection before the worker acknowledged SHUTDOWN"
+    assert P.SHUTDOWN in kinds
