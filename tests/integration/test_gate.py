@@ -48,7 +48,8 @@ class Peer:
                 time.sleep(0.001)
 
     def hello(self, worker_id: str, slots: int = 1) -> None:
-        self.send(P.HELLO, {"worker_id": worker_id, "slots": slots, "pid": 1, "host": "rogue", "protocol": P.PROTOCOL_VERSION})
+        body = {"worker_id": worker_id, "slots": slots, "pid": 1, "host": "rogue", "protocol": P.PROTOCOL_VERSION}
+        self.send(P.HELLO, body)
 
     def recv(self, kinds: set[str], timeout: float = 10.0) -> tuple[str, dict] | None:
         """The next message of one of ``kinds`` (leases seen on the way are kept), or None at the deadline."""
@@ -163,7 +164,8 @@ def test_out_of_range_values_are_refused_and_regenerated(bad: dict, reason: str)
             it = iter(loader)
             assert rogue.recv({P.LEASES}) is not None
             for lease in rogue.leases:  # each a well-formed group for a lease it holds, with one bad value
-                rogue.send(P.GROUP, {"lease_id": lease["lease_id"], "group": _group(lease["prompt_index"], **bad).to_wire()})
+                group = _group(lease["prompt_index"], **bad).to_wire()
+                rogue.send(P.GROUP, {"lease_id": lease["lease_id"], "group": group})
             deadline = time.monotonic() + 10
             while loader.stats()["transport"].get(reason, 0) < len(rogue.leases) and time.monotonic() < deadline:
                 time.sleep(0.02)
@@ -249,7 +251,8 @@ def test_ghost_identities_are_bounded_and_do_not_inflate_regeneration():
                 ghost.sock.close(linger=1000)  # says HELLO and vanishes
         done.set()
 
-    with RolloutLoader(_prompts(num_prompts), _config(gate=GateConfig(max_peers=max_peers), lease_timeout_s=5)) as loader:
+    config = _config(gate=GateConfig(max_peers=max_peers), lease_timeout_s=5)
+    with RolloutLoader(_prompts(num_prompts), config) as loader:
         it = iter(loader)
         first = _consume_one(it)
         thread = threading.Thread(target=haunt, args=(loader.endpoint,), daemon=True)
