@@ -105,8 +105,16 @@ class RolloutPoolNode(BaseNode[Group]):
             if self.wait_timeout_s is not None and now - waited_since > self.wait_timeout_s:
                 raise TimeoutError(
                     f"no rollout group arrived for {self.wait_timeout_s} s (loader.wait_timeout_s); "
-                    f"receiver stats: {self.receiver.stats()}"
+                    f"pool: {self._pool_summary()}; receiver stats: {self.receiver.stats()}"
                 )
+
+    def _pool_summary(self) -> dict[str, Any]:
+        with self.pool.cond:
+            ledger = self.pool.ledger
+            return {"policy_version": self.pool.policy_version, "in_flight": self.pool.groups_in_flight,
+                    "fresh_budget": self.pool.fresh_budget, "delivered": len(self.pool._delivered),
+                    "leases": len(ledger.leases), "pending": ledger.has_pending(), "stats": dict(self.pool.stats),
+                    "ledger": dict(ledger.counters)}
 
     def get_state(self) -> dict[str, Any]:
         if self.before_state is not None:

@@ -239,8 +239,8 @@ class StagingArea:
         if s is None or (self._committed is not None and s.incarnation == self._committed_incarnation
                          and s.version <= self._committed):
             return None
-        if incarnation is not None and s.incarnation != incarnation:
-            return None
+        if incarnation is not None and s.incarnation and s.incarnation != incarnation:
+            return None  # another incarnation's weights (a publisher without incarnations matches any)
         return s if version is None or s.version >= version else None
 
     def poll(self) -> WeightUpdate | None:

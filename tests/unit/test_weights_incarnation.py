@@ -76,3 +76,11 @@ def test_receiver_takes_a_resumed_incarnations_lower_version(backend, tmp_path):
         for b in (dead, live):
             if b is not None:
                 b.close()
+
+
+def test_weights_published_without_an_incarnation_satisfy_any_wait():
+    """A publisher that does not stamp incarnations (older code, benchmarks) must not make every catch-up wait
+    time out (seen: 10 s per batch and stale drops at max_staleness=0 in the freshness benchmark)."""
+    area = StagingArea("r")
+    area.stage(WeightUpdate(version=2, mode="full", tensors={}))
+    assert area.wait(2, 0.0, incarnation="live").version == 2
