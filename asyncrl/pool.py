@@ -34,10 +34,12 @@ with ``max_staleness = 0`` generation waits for each new version (synchronous RL
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from typing import Any
 
+from asyncrl._logging import Throttle
 from asyncrl.ledger import Lease, PromptLedger, PromptState
 from asyncrl.poison import PoisonedPromptError, PoisonPolicy
 from asyncrl.rollout import Group, Rollout
@@ -45,6 +47,13 @@ from asyncrl.staleness import check_policy_version, is_stale
 from asyncrl.timeline import Timeline, new_incarnation
 
 __all__ = ["RolloutPool"]
+
+logger = logging.getLogger(__name__)
+_throttle = Throttle(logger)
+_OFF_TIMELINE = {
+    "ahead_of_trainer": "weights newer than the trainer (call set_policy_version(v) before publishing version v)",
+    "dead_timeline": "weights of a rolled-back trainer incarnation (regenerated with the live weights)",
+}
 
 
 class RolloutPool:
@@ -152,6 +161,11 @@ class RolloutPool:
             off_timeline = next((why for r in rollouts if (why := self._timeline_reason(r))), None)
             if off_timeline:  # the whole group: its rollouts share weights that the trainer never had
                 self.stats[off_timeline] += len(rollouts)
+                r = rollouts[0]
+                _throttle.warning(
+                    off_timeline, "pool refused rollouts of %s (policy_version %d, incarnation %r) at trainer version "
+                    "%d, incarnation %r: %s", r.group_id, r.policy_version, r.incarnation, self.policy_version,
+                    self.incarnation, _OFF_TIMELINE[off_timeline])
                 return 0
             for r in rollouts:
                 reason = self._reject_reason(r)

@@ -45,12 +45,14 @@ def test_corrupted_broadcast_is_not_committed_and_is_reported():
             it = iter(loader)
             next(it)
             broadcaster.corrupt_next(2)
+            loader.set_policy_version(1)  # the trainer's version moves first: no worker is ever ahead of it
             broadcaster.publish({k: v + 1 for k, v in weights.items()}, 1)
             _status(loader, "weight_sync_failures", lambda n: (n or 0) >= 1)
             versions = [int(v) for _ in range(3) for v in next(it)["policy_versions"]]
             assert set(versions) == {0}, "a version whose transfer failed must never be stamped"
             assert broadcaster.committed() and set(broadcaster.committed().values()) == {0}
 
+            loader.set_policy_version(2)
             broadcaster.publish({k: v + 2 for k, v in weights.items()}, 2)  # the next clean version goes through
             _status(loader, "policy_version", lambda v: v == 2)
             later = [int(v) for _ in range(4) for v in next(it)["policy_versions"]]
