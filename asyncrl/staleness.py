@@ -3,6 +3,12 @@
 A policy version is an int, +1 per committed trainer update. The staleness of a rollout consumed at
 trainer version ``v`` is ``v - rollout.policy_version``; with ``max_staleness = k`` no rollout older
 than ``v - k`` is ever yielded (``k = 0`` is synchronous on-policy training, None is unbounded).
+A consumer that fetches ``p`` batches ahead trains a group at ``v + p``, so the pool judges staleness there
+(``LoaderConfig.prefetch``).
+
+A version number alone does not name weights once a run is rolled back (a resume reuses 19, 20, ...):
+staleness is measured only along one timeline, and rollouts newer than the trainer or from a rolled-back
+incarnation are refused before staleness is ever asked (:mod:`asyncrl.timeline`).
 """
 
 from __future__ import annotations
