@@ -199,7 +199,7 @@ class RolloutPool:
             return "not_in_shard"
         if state is PromptState.SKIPPED:
             return "skipped_prompt"
-        if state in (PromptState.BUFFERED, PromptState.CONSUMED):
+        if state in (PromptState.BUFFERED, PromptState.DELIVERED, PromptState.CONSUMED):
             return "duplicate"
         if not 0 <= r.sample_index < self.group_size:
             return "bad_sample_index"

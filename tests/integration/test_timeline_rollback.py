@@ -93,3 +93,73 @@ def test_resumed_trainer_never_trains_the_dead_timeline(tmp_path):
     # whatever the worker still had in flight from the dead incarnation was refused (counted), never trained
     pool = result["stats"]["pool"]
     print("refused:", {k: pool.get(k, 0) for k in ("dead_timeline", "ahead_of_trainer")})
+
+
+def test_a_dead_incarnations_rollouts_are_refused_over_the_wire():
+    """The pool's own check, end to end through real sockets: a worker holding real leases of the resumed
+    run answers them with rollouts stamped by the dead incarnation at a version past the fork (as one that
+    loaded the dead run's last weights would); every one is refused and regenerated, none trained."""
+    import threading
+
+    import torch
+
+    from asyncrl import LoaderConfig, RolloutLoader, TransportConfig
+    from asyncrl.transport import setup_rollout_sender
+    from tests.unit.test_pool import make_group
+
+    DEAD_REWARD = -0.75
+
+    transport = TransportConfig(heartbeat_s=0.2, peer_timeout_s=10.0)
+    config = LoaderConfig(group_size=2, batch_size=2, capacity=8, max_staleness=2, num_workers=0, wait_timeout_s=60,
+                          poll_timeout_s=0.2, transport=transport)
+    prompts = [{"prompt_ids": [i + 1, 2]} for i in range(12)]
+    with RolloutLoader(prompts, config, incarnation="dead") as dead:
+        dead.set_policy_version(3)
+        state = dead.state_dict()  # the checkpoint the resumed run loads (version 3)
+    loader = RolloutLoader(prompts, config, incarnation="live")
+    loader.load_state_dict(state)
+    stop = threading.Event()
+    sent = {"dead": 0, "live": 0}
+
+    def worker() -> None:  # past the fork, answers each lease first as the dead run's, then as the live run's
+        sender = setup_rollout_sender(transport, [loader.endpoint], worker_id="w-dead", slots=4)
+        sender.start()
+        try:
+            while not stop.is_set() and not sender.done:
+                for lease in sender.take_leases(4, timeout=0.2):
+                    for incarnation in ("dead", "live") if lease.policy_version > 3 else ("live",):
+                        group = make_group(lease.epoch, lease.prompt_index, lease.group_size, lease.policy_version,
+                                           worker_id="w-dead")
+                        for r in group.rollouts:
+                            r.incarnation = incarnation
+                            if incarnation == "dead":
+                                r.reward = DEAD_REWARD  # recognisable if it were ever trained
+                        sender.send_group(lease, group)
+                        sent[incarnation] += 1
+        finally:
+            sender.close()
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    try:
+        it = iter(loader)  # loads the state (version 3) and fetches the first batch
+        first = next(it)
+        loader.set_policy_version(4)
+        loader.set_policy_version(5)  # the resumed run reaches version 5 again: its own, not the dead run's
+        batches = [next(it) for _ in range(3)]
+        stop.set()
+        thread.join(timeout=20)  # the worker's sender flushes what it sent before it closes
+        deadline = time.monotonic() + 10
+        while loader.stats()["pool"].get("dead_timeline", 0) < 2 * sent["dead"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = loader.stats()
+    finally:
+        stop.set()
+        loader.close()
+        thread.join(timeout=20)
+    assert torch.equal(first["policy_versions"], torch.full_like(first["policy_versions"], 3))
+    assert sent["dead"] >= 1  # leases granted past the fork were answered by the dead incarnation first
+    assert stats["pool"].get("dead_timeline", 0) == 2 * sent["dead"], stats["pool"]  # every one refused
+    for b in [first, *batches]:  # only the live run's rollouts were trained
+        assert not (b["rewards"] == DEAD_REWARD).any(), b["group_ids"]
+        assert int(b["policy_versions"].max()) <= 5

@@ -152,3 +152,14 @@ def test_ordered_delivery_moves_past_delivered_uncommitted_groups():
     assert got == pool.ledger.order
     with pytest.raises(StopIteration):
         pool.take(0)
+
+
+def test_a_late_copy_of_a_delivered_group_is_a_duplicate():
+    """A copy arriving while its prompt is delivered but not committed once passed the duplicate check and
+    tripped 'completed twice' in the receiver thread (found by the over-the-wire rollback test)."""
+    pool = make_pool("a", num_prompts=2)
+    leases = pool.grant("w0", 1, now=0.0)
+    send(pool, leases[0], 0, "a")
+    g = pool.take(0)
+    assert send(pool, leases[0], 0, "a") == 0
+    assert pool.stats["duplicate"] == 2 and pool.ledger.state_of(g.prompt_index) is PromptState.DELIVERED
