@@ -18,9 +18,11 @@ after it is taken, so ``take`` judges staleness at ``policy_version + p``.
 
 One timeline: the pool rejects (and counts) rollouts newer than the trainer's policy version and
 rollouts of a rolled-back incarnation (:mod:`asyncrl.timeline`); its state carries the timeline, and
-loading it into a new incarnation opens a new segment. Capacity counts groups leased, partially received or buffered, so a
-stalled trainer stops lease grants and with them generation (backpressure). Everything the trainer
-has not yet received lives here and is part of :meth:`state_dict`.
+loading it into a new incarnation opens a new segment.
+
+Capacity counts groups leased, partially received or buffered, so a stalled trainer stops lease grants
+and with them generation (backpressure). Everything the trainer has not yet trained on lives here and
+is part of :meth:`state_dict`.
 
 With ``groups_per_step`` (the trainer's batch, in groups) the pool also leases only what can still be
 trained fresh (AReaL's staleness control): at most ``(max_staleness + 1) * groups_per_step - taken``
@@ -411,7 +413,7 @@ class RolloutPool:
         fetched but not trained yet). Returns the number consumed."""
         with self.cond:
             done = [i for i in self._delivered if i not in except_prompts]
-        return self.commit(self.ledger.epoch, done) if done else 0
+            return self.commit(self.ledger.epoch, done) if done else 0
 
     @property
     def num_delivered(self) -> int:

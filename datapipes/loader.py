@@ -16,8 +16,9 @@ fed, not when it is yielded. ``set_policy_version(v)``, ``commit()`` and ``state
 batch yielded so far except the newest ``config.prefetch`` ones, the batches a prefetching consumer
 (Lightning: 1) has fetched but not trained yet; the state saves those for re-delivery, so a checkpoint
 taken with a batch prefetched loses nothing. (With ``prefetch=0``, the default, a state after k batches
-continues at batch k + 1, as for any torchdata node.) Every rollout is stamped with the trainer incarnation whose weights
-made it; the pool trains only rollouts of this run's timeline (:mod:`asyncrl.timeline`).
+continues at batch k + 1, as for any torchdata node.) Every rollout is stamped with the trainer
+incarnation whose weights made it; the pool trains only rollouts of this run's timeline
+(:mod:`asyncrl.timeline`).
 
 M:N: with ``world_size`` trainer ranks, each rank's loader owns shard ``rank`` of the prompt ledger
 and binds its own pool; when a process group exists the ranks exchange endpoints and every local
