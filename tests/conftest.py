@@ -1,4 +1,5 @@
-"""Shared test set-up: no hub access, quiet logs, GPU/vLLM tests skip cleanly where unavailable."""
+"""Shared test set-up: no hub access, quiet logs, GPU/vLLM tests skip cleanly where unavailable, and the tiny
+BPE chat model (``workers.tiny_bpe``) built once per session."""
 
 from __future__ import annotations
 
@@ -22,3 +23,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "vllm" in item.keywords and not has_vllm:
             item.add_marker(skip_vllm)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory) -> str:
+    """Directory of the tiny Qwen2 chat model with a byte-level BPE tokenizer and a ChatML template
+    (``workers.tiny_bpe.build_tiny_chat_model``), built once per test session, deterministically."""
+    from workers.tiny_bpe import build_tiny_chat_model
+
+    return str(build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat") / "model"))
