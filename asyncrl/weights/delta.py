@@ -1,0 +1,246 @@
+"""Delta updates (``weights.delta: true``): one bucket sent as its difference from the receiver's base.
+
+After one optimizer step most weights keep their bit pattern, or change in the low mantissa bits only
+(bf16 after one AdamW step at lr 1e-6: ~2 % of the elements change; see ``benchmarks/weight_delta.py``).
+A bucket of version ``v`` can then travel as a :class:`BucketDelta` against the *base*, the same bucket
+of a version ``(base_incarnation, base_version)`` that the receiver has committed::
+
+    broadcaster: x = new XOR base (bit patterns, as words of the bucket's smallest element width)
+        sparse: the changed words' positions (gaps, byte-shuffled) + their XOR values, zstd
+        xor:    x itself, zstd (chosen for dense changes, where positions cost more than zeros)
+        neither smaller than the bucket -> encode() returns None: send the full bucket
+    receiver: check the base is the one held -> result = base XOR x -> check the result's checksum
+
+The delta carries the base it was made against and the checksum of the *result* (the bucket's
+checksum in the manifest, :func:`asyncrl.weights.base.bucket_checksum`). :meth:`DeltaCodec.decode`
+refuses, with a :class:`DeltaRefused` whose ``reason`` is one of :data:`REFUSALS`, a delta whose base
+the receiver does not hold (``base_mismatch``: a late joiner, a skipped version, a rolled-back
+incarnation, a receiver that lied about its base), whose payload is malformed (``malformed``) or whose
+result does not match the checksum (``checksum_mismatch``: the receiver's base bytes differ from the
+broadcaster's). The backends count refusals by reason and heal by fetching that bucket in full.
+
+Who blocks on what: nothing here blocks or locks; a :class:`DeltaCodec` owns reusable zstd contexts and
+a scratch buffer, so each thread that encodes or decodes uses its own codec (the broadcaster's I/O
+thread, each receiver's I/O thread). Encoding costs one XOR and one scan of the bucket plus zstd of
+what changed; decoding one copy of the base plus a scatter of what changed (sparse), or a zstd
+decompression and an XOR (xor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import zstandard
+
+from asyncrl.weights.base import Bucket, bucket_checksum
+
+__all__ = ["REFUSALS", "BucketDelta", "DeltaCodec", "DeltaRefused", "delta_word", "same_layout"]
+
+Encoding = Literal["sparse", "xor"]
+ENCODINGS: tuple[Encoding, ...] = ("sparse", "xor")
+REFUSALS = ("base_mismatch", "malformed", "checksum_mismatch")
+"""Why :meth:`DeltaCodec.decode` refused a delta (the ``reason`` of :class:`DeltaRefused`)."""
+XOR_DENSITY = 0.05
+"""The xor encoding is also tried when more than this fraction of the words changed. Measured
+(``benchmarks/weight_delta.py --densities``): sparse is smaller than xor at every density up to
+50 % for 2- and 4-byte words, and cheaper; xor is the fallback for dense changes."""
+_WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+class DeltaRefused(ValueError):
+    """A delta the receiver cannot apply; ``reason`` is one of :data:`REFUSALS`. Fetch the full bucket."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class BucketDelta:
+    """One bucket as a delta against ``(base_incarnation, base_version)``; ``payload`` is what travels."""
+
+    encoding: Encoding
+    base_version: int
+    base_incarnation: str
+    word: int
+    """Element width in bytes the bucket was compared in (its smallest dtype's itemsize)."""
+    nbytes: int
+    """Size of the result (the full bucket)."""
+    checksum: int
+    """Checksum of the result (:func:`~asyncrl.weights.base.bucket_checksum`)."""
+    count: int
+    """``sparse``: words changed; ``xor``: 0."""
+    split: int
+    """``sparse``: payload bytes of the compressed positions (the XOR values follow); ``xor``: 0."""
+    payload: np.ndarray
+    """uint8, the compressed bytes."""
+
+    @property
+    def wire_nbytes(self) -> int:
+        return int(self.payload.nbytes)
+
+    def header(self) -> dict[str, Any]:
+        """Everything but the payload, for a manifest or a message body (msgpack/JSON-safe)."""
+        return {"encoding": self.encoding, "base_version": self.base_version,
+                "base_incarnation": self.base_incarnation, "word": self.word, "nbytes": self.nbytes,
+                "checksum": self.checksum, "count": self.count, "split": self.split}
+
+    @classmethod
+    def from_wire(cls, header: Any, payload: np.ndarray) -> BucketDelta:
+        """Parses a peer's header (raises :class:`DeltaRefused` ``malformed``); ``payload`` is uint8."""
+        try:
+            h = dict(header)
+            d = cls(encoding=h["encoding"], base_version=h["base_version"], base_incarnation=h["base_incarnation"],
+                    word=h["word"], nbytes=h["nbytes"], checksum=h["checksum"], count=h["count"], split=h["split"],
+                    payload=payload)
+        except (KeyError, TypeError, ValueError) as e:
+            raise DeltaRefused("malformed", f"malformed delta header {header!r:.200}: {e}") from e
+        ints = (d.base_version, d.word, d.nbytes, d.checksum, d.count, d.split)
+        if (d.encoding not in ENCODINGS or not isinstance(d.base_incarnation, str) or len(d.base_incarnation) > 64
+                or not all(type(i) is int and i >= 0 for i in ints) or d.word not in _WORDS or d.nbytes % d.word
+                or not 0 <= d.split <= payload.nbytes or d.count > d.nbytes // d.word):
+            raise DeltaRefused("malformed", f"malformed delta header {header!r:.200} "
+                                            f"(payload {payload.nbytes} bytes)")
+        return d
+
+
+def delta_word(bucket: Bucket) -> int:
+    """The element width a bucket is compared in: the smallest itemsize among its tensors (1, 2, 4 or 8)
+    that divides the bucket's size (bf16 and fp32 tensors in one bucket compare as 2-byte words)."""
+    from asyncrl.weights._staging import DTYPES  # lazily: _staging imports base, as this module does
+
+    sizes = [DTYPES[s.dtype].itemsize for s in bucket.slots if s.nbytes] or [1]
+    word = min(min(sizes), 8)
+    while word > 1 and bucket.nbytes % word:
+        word //= 2
+    return word
+
+
+def same_layout(a: Bucket, b: Bucket) -> bool:
+    """Whether bucket ``b`` of a base version holds the same tensors at the same offsets as ``a``."""
+    return a.nbytes == b.nbytes and a.to_wire()["slots"] == b.to_wire()["slots"]
+
+
+def _shuffle(a: np.ndarray) -> np.ndarray:
+    """Byte planes (all first bytes, then all second bytes...): small numbers compress far better."""
+    return np.ascontiguousarray(a.view(np.uint8).reshape(-1, a.itemsize).T).reshape(-1)
+
+
+def _unshuffle(b: np.ndarray, dtype: type) -> np.ndarray:
+    itemsize = np.dtype(dtype).itemsize
+    return np.ascontiguousarray(b.reshape(itemsize, -1).T).reshape(-1).view(dtype)
+
+
+class DeltaCodec:
+    """Encodes and decodes bucket deltas, reusing zstd contexts and a scratch buffer (one per thread).
+
+    Args:
+        level: zstd level (1: fastest of the ordinary levels; measured ratios barely improve above it).
+        threads: zstd worker threads for the dense ``xor`` encoding (0: in the calling thread).
+    """
+
+    def __init__(self, *, level: int = 1, threads: int = 0):
+        self.level = level
+        self._cctx = zstandard.ZstdCompressor(level=level, threads=threads)
+        self._dctx = zstandard.ZstdDecompressor()
+        self._scratch = np.empty(0, dtype=np.uint8)
+
+    def _xor(self, new: np.ndarray, base: np.ndarray, word: int) -> np.ndarray:
+        if self._scratch.nbytes < new.nbytes:
+            self._scratch = np.empty(new.nbytes, dtype=np.uint8)
+        wt = _WORDS[word]
+        out = self._scratch[: new.nbytes].view(wt)
+        np.bitwise_xor(new.view(wt), base.view(wt), out=out)
+        return out
+
+    # -- broadcaster ---------------------------------------------------------------------------
+    def encode(self, new: np.ndarray, base: np.ndarray, *, word: int, base_version: int, base_incarnation: str,
+               checksum: int | None = None) -> BucketDelta | None:
+        """The delta turning ``base`` into ``new`` (both uint8, same size), or None if the full bucket
+        is not larger. ``checksum`` is ``new``'s (computed here if not given)."""
+        if new.dtype != np.uint8 or base.dtype != np.uint8 or new.shape != base.shape or new.ndim != 1:
+            raise ValueError(f"new and base must be 1-d uint8 arrays of one size, got {new.dtype}{new.shape} "
+                             f"and {base.dtype}{base.shape}")
+        if word not in _WORDS or new.nbytes % word:
+            raise ValueError(f"{word=} must be 1, 2, 4 or 8 and divide the bucket's {new.nbytes} bytes")
+        if checksum is None:
+            checksum = bucket_checksum(memoryview(new))
+        meta = dict(base_version=base_version, base_incarnation=base_incarnation, word=word, nbytes=new.nbytes,
+                    checksum=checksum)
+        x = self._xor(new, base, word)
+        best: BucketDelta | None = None
+        positions = np.flatnonzero(x)
+        nwords = x.size
+        if positions.size * 2 <= nwords and nwords < 2**32:
+            pos = positions.astype(np.uint32)
+            gaps = np.diff(pos, prepend=np.uint32(0))  # the first gap is the first position
+            z_gaps = self._cctx.compress(_shuffle(gaps)) if pos.size else b""
+            z_vals = self._cctx.compress(_shuffle(x[positions])) if pos.size else b""
+            payload = np.frombuffer(z_gaps + z_vals, dtype=np.uint8)
+            best = BucketDelta(encoding="sparse", count=int(pos.size), split=len(z_gaps), payload=payload, **meta)
+        if positions.size > XOR_DENSITY * nwords:
+            z = self._cctx.compress(x.view(np.uint8))
+            if best is None or len(z) < best.wire_nbytes:
+                best = BucketDelta(encoding="xor", count=0, split=0, payload=np.frombuffer(z, dtype=np.uint8), **meta)
+        return best if best is not None and best.wire_nbytes < new.nbytes else None
+
+    # -- receiver ------------------------------------------------------------------------------
+    def decode(self, delta: BucketDelta, base: np.ndarray, *, base_version: int | None, base_incarnation: str,
+               out: np.ndarray | None = None) -> np.ndarray:
+        """Applies ``delta`` to ``base`` (the bytes of ``(base_incarnation, base_version)`` the receiver
+        holds) into ``out`` (uint8, may not alias ``base``; allocated if None) and verifies the result.
+
+        Raises:
+            DeltaRefused: ``base_mismatch``, ``malformed`` or ``checksum_mismatch``; ``out`` then holds
+                garbage and must not be used.
+        """
+        if base_version != delta.base_version or base_incarnation != delta.base_incarnation:
+            raise DeltaRefused("base_mismatch", f"delta against version {delta.base_version} of incarnation "
+                                                f"{delta.base_incarnation!r}, the receiver holds {base_version} of "
+                                                f"{base_incarnation!r}")
+        if base.nbytes != delta.nbytes:
+            raise DeltaRefused("base_mismatch", f"delta of a {delta.nbytes}-byte bucket, the base has {base.nbytes}")
+        out = np.empty(delta.nbytes, dtype=np.uint8) if out is None else out[: delta.nbytes]
+        if out.nbytes != delta.nbytes:
+            raise ValueError(f"out has {out.nbytes} bytes, the delta makes {delta.nbytes}")
+        wt = _WORDS[delta.word]
+        if delta.encoding == "sparse":
+            positions, values = self._sparse_parts(delta)
+            np.copyto(out, base)
+            w = out.view(wt)
+            w[positions] ^= values
+        else:
+            x = self._decompress(delta.payload, delta.nbytes, "xor payload")
+            np.bitwise_xor(base.view(wt), x.view(wt), out=out.view(wt))
+        got = bucket_checksum(memoryview(out))
+        if got != delta.checksum:
+            raise DeltaRefused("checksum_mismatch", f"delta against version {delta.base_version} gave checksum "
+                                                    f"{got:#010x}, the broadcaster's is {delta.checksum:#010x} "
+                                                    "(the base bytes differ)")
+        return out
+
+    def _sparse_parts(self, delta: BucketDelta) -> tuple[np.ndarray, np.ndarray]:
+        n, nwords = delta.count, delta.nbytes // delta.word
+        if n == 0:
+            if delta.payload.nbytes:
+                raise DeltaRefused("malformed", f"sparse delta of 0 words carries {delta.payload.nbytes} bytes")
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=_WORDS[delta.word])
+        gaps = _unshuffle(self._decompress(delta.payload[: delta.split], 4 * n, "positions"), np.uint32)
+        values = _unshuffle(self._decompress(delta.payload[delta.split :], delta.word * n, "values"),
+                            _WORDS[delta.word])
+        positions = np.cumsum(gaps, dtype=np.int64)
+        if n > 1 and gaps[1:].min() == 0 or positions[-1] >= nwords:
+            raise DeltaRefused("malformed", f"sparse delta positions not increasing or beyond the bucket's "
+                                            f"{nwords} words (last {int(positions[-1])})")
+        return positions, values
+
+    def _decompress(self, data: np.ndarray, nbytes: int, what: str) -> np.ndarray:
+        try:
+            size = zstandard.frame_content_size(data)
+            if size != nbytes:  # also refuses a frame that would inflate beyond what was announced
+                raise DeltaRefused("malformed", f"delta {what}: zstd frame of {size} bytes, expected {nbytes}")
+            return np.frombuffer(self._dctx.decompress(data, max_output_size=nbytes), dtype=np.uint8)
+        except zstandard.ZstdError as e:
+            raise DeltaRefused("malformed", f"delta {what}: {e}") from e

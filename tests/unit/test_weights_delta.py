@@ -1,0 +1,150 @@
+"""Bucket deltas (asyncrl.weights.delta): round trips over bf16/fp16/fp32 buckets with sparse and dense
+changes, refusals of a wrong base, a malformed payload and a lying receiver's base, each named."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from asyncrl.weights import plan_buckets
+from asyncrl.weights.base import bucket_checksum
+from asyncrl.weights.delta import BucketDelta, DeltaCodec, DeltaRefused, delta_word, same_layout
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(-1).view(torch.uint8).numpy().copy()
+
+
+def _step(base: torch.Tensor, fraction: float, scale: float, seed: int) -> torch.Tensor:
+    """``base`` with ``fraction`` of its elements moved by ``scale`` relative (as an optimizer step would)."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(base.shape, generator=g) < fraction
+    moved = (base.float() * (1 + scale * torch.randn(base.shape, generator=g))).to(base.dtype)
+    return torch.where(mask, moved, base)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dtype=st.sampled_from(sorted(DTYPES)), n=st.integers(0, 5000), fraction=st.sampled_from([0.0, 1e-3, 0.02, 0.3, 1.0]),
+       scale=st.sampled_from([1e-3, 1e-1, 10.0]), seed=st.integers(0, 2**16))
+def test_round_trip(dtype, n, fraction, scale, seed):
+    base_t = torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(DTYPES[dtype])
+    new_t = _step(base_t, fraction, scale, seed + 1)
+    base, new = _bytes(base_t), _bytes(new_t)
+    word = base_t.element_size()
+    codec = DeltaCodec()
+    delta = codec.encode(new, base, word=word, base_version=3, base_incarnation="inc")
+    if delta is None:  # the full bucket is not larger: nothing to check but that it really is not
+        return
+    assert delta.wire_nbytes < new.nbytes
+    wire = BucketDelta.from_wire(delta.header(), delta.payload.copy())
+    out = DeltaCodec().decode(wire, base, base_version=3, base_incarnation="inc")
+    assert np.array_equal(out, new)
+    assert delta.checksum == bucket_checksum(memoryview(new))
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1e-4, 0.02, 0.2, 0.9])
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_sparse_and_dense_changes_round_trip_and_shrink(dtype, fraction):
+    base_t = (torch.randn(200_000, generator=torch.Generator().manual_seed(1)) * 0.02).to(DTYPES[dtype])
+    new_t = _step(base_t, fraction, 1e-3, 2)
+    base, new = _bytes(base_t), _bytes(new_t)
+    delta = DeltaCodec().encode(new, base, word=base_t.element_size(), base_version=1, base_incarnation="")
+    assert delta is not None, "small relative changes always beat the full bucket"
+    if fraction <= 0.02:
+        assert delta.encoding == "sparse" and delta.wire_nbytes * 20 < new.nbytes
+    out = np.empty_like(new)
+    DeltaCodec().decode(delta, base, base_version=1, base_incarnation="", out=out)
+    assert np.array_equal(out, new)
+
+
+def test_dense_random_bucket_is_sent_full():
+    rng = np.random.default_rng(0)
+    base, new = rng.integers(0, 256, 1 << 16, dtype=np.uint8), rng.integers(0, 256, 1 << 16, dtype=np.uint8)
+    assert DeltaCodec().encode(new, base, word=2, base_version=1, base_incarnation="") is None
+
+
+def test_xor_encoding_round_trips():
+    base_t = torch.randn(100_000, generator=torch.Generator().manual_seed(3))
+    new_t = _step(base_t, 0.9, 1e-6, 4)  # nearly every element, only the low mantissa bits
+    base, new = _bytes(base_t), _bytes(new_t)
+    delta = DeltaCodec(threads=2).encode(new, base, word=4, base_version=7, base_incarnation="a")
+    assert delta is not None and delta.encoding in ("xor", "sparse")
+    assert np.array_equal(DeltaCodec().decode(delta, base, base_version=7, base_incarnation="a"), new)
+
+
+def _pair(seed=0):
+    base_t = torch.randn(50_000, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    base, new = _bytes(base_t), _bytes(_step(base_t, 0.02, 1e-2, seed + 1))
+    return base, new, DeltaCodec().encode(new, base, word=2, base_version=5, base_incarnation="live")
+
+
+@pytest.mark.parametrize("held", [(4, "live"), (None, ""), (5, "dead"), (6, "live")])
+def test_wrong_base_is_refused_by_name(held):
+    base, _, delta = _pair()
+    with pytest.raises(DeltaRefused) as e:
+        DeltaCodec().decode(delta, base, base_version=held[0], base_incarnation=held[1])
+    assert e.value.reason == "base_mismatch" and "version 5" in str(e.value)
+
+
+def test_a_receiver_that_lies_about_its_base_gets_a_checksum_refusal():
+    base, _, delta = _pair()
+    other, _, _ = _pair(seed=9)  # claims (5, "live") but holds other bytes, e.g. a rolled-back run's
+    with pytest.raises(DeltaRefused) as e:
+        DeltaCodec().decode(delta, other, base_version=5, base_incarnation="live")
+    assert e.value.reason == "checksum_mismatch"
+
+
+@pytest.mark.parametrize("tamper", ["flip_payload", "truncate", "count", "split", "bomb", "encoding", "word"])
+def test_malformed_deltas_are_refused(tamper):
+    base, _, delta = _pair()
+    header, payload = delta.header(), delta.payload.copy()
+    if tamper == "flip_payload":
+        payload[payload.size // 2] ^= 0xFF
+    elif tamper == "truncate":
+        payload = payload[:-3]
+    elif tamper == "count":
+        header["count"] += 1
+    elif tamper == "split":
+        header["split"] = payload.size + 1
+    elif tamper == "bomb":
+        import zstandard
+
+        payload = np.frombuffer(zstandard.ZstdCompressor().compress(bytes(1 << 24)), dtype=np.uint8)
+        header.update(encoding="xor", split=0, count=0)
+    elif tamper == "encoding":
+        header["encoding"] = "pickle"
+    else:
+        header["word"] = 3
+    with pytest.raises(DeltaRefused) as e:
+        DeltaCodec().decode(BucketDelta.from_wire(header, payload), base, base_version=5, base_incarnation="live")
+    assert e.value.reason in ("malformed", "checksum_mismatch")
+
+
+def test_scattered_positions_out_of_range_are_malformed():
+    import zstandard
+
+    base = np.zeros(64, dtype=np.uint8)
+    c = zstandard.ZstdCompressor()
+    gaps = np.array([100], dtype=np.uint32)  # beyond the 32 words
+    z = c.compress(gaps.tobytes())
+    payload = np.frombuffer(z + c.compress(np.array([1], dtype=np.uint16).tobytes()), dtype=np.uint8)
+    d = BucketDelta(encoding="sparse", base_version=1, base_incarnation="", word=2, nbytes=64, checksum=0, count=1,
+                    split=len(z), payload=payload)
+    with pytest.raises(DeltaRefused) as e:
+        DeltaCodec().decode(d, base, base_version=1, base_incarnation="")
+    assert e.value.reason == "malformed"
+
+
+def test_word_and_layout_of_buckets():
+    tensors = {"a": torch.zeros(10, dtype=torch.float32), "b": torch.zeros(7, dtype=torch.bfloat16)}
+    (bucket,) = plan_buckets(tensors, 1 << 20)
+    assert delta_word(bucket) == 2
+    (other,) = plan_buckets({**tensors, "b": torch.zeros(8, dtype=torch.bfloat16)}, 1 << 20)
+    assert same_layout(bucket, bucket) and not same_layout(bucket, other)
+    (flags,) = plan_buckets({"m": torch.zeros(5, dtype=torch.bool), **tensors}, 1 << 20)
+    assert delta_word(flags) == 1
