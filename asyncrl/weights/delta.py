@@ -167,13 +167,13 @@ class DeltaCodec:
             raise ValueError(f"{word=} must be 1, 2, 4 or 8 and divide the bucket's {new.nbytes} bytes")
         if checksum is None:
             checksum = bucket_checksum(memoryview(new))
-        meta = dict(base_version=base_version, base_incarnation=base_incarnation, word=word, nbytes=new.nbytes,
-                    checksum=checksum)
+        meta: dict[str, Any] = {"base_version": base_version, "base_incarnation": base_incarnation, "word": word,
+                                "nbytes": new.nbytes, "checksum": checksum}
         x = self._xor(new, base, word)
         best: BucketDelta | None = None
         positions = np.flatnonzero(x)
         nwords = x.size
-        if positions.size * 2 <= nwords and nwords < 2**32:
+        if positions.size * 2 <= nwords < 2**32:
             pos = positions.astype(np.uint32)
             gaps = np.diff(pos, prepend=np.uint32(0))  # the first gap is the first position
             z_gaps = self._cctx.compress(_shuffle(gaps)) if pos.size else b""

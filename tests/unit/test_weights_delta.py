@@ -92,7 +92,7 @@ def test_wrong_base_is_refused_by_name(held):
 
 
 def test_a_receiver_that_lies_about_its_base_gets_a_checksum_refusal():
-    base, _, delta = _pair()
+    _, _, delta = _pair()
     other, _, _ = _pair(seed=9)  # claims (5, "live") but holds other bytes, e.g. a rolled-back run's
     with pytest.raises(DeltaRefused) as e:
         DeltaCodec().decode(delta, other, base_version=5, base_incarnation="live")
