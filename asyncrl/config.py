@@ -11,7 +11,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-__all__ = ["EngineConfig", "FaultConfig", "GateConfig", "LoaderConfig", "TransportConfig", "WeightSyncConfig", "WorkerConfig", "from_dict", "to_dict"]
+__all__ = ["EngineConfig", "FaultConfig", "GateConfig", "LoaderConfig", "RewardConfig", "TransportConfig", "WeightSyncConfig", "WorkerConfig", "from_dict", "to_dict"]
 
 C = TypeVar("C")
 
@@ -172,6 +172,12 @@ class WeightSyncConfig:
     """Trainer side, zmq: where the broadcaster binds."""
     bucket_bytes: int = 64 * 1024 * 1024
     """Transfer unit: bounds memory in flight per receiver."""
+    delta: bool = False
+    """Send each bucket as a delta against the version the receiver committed (sparse positions + XOR values,
+    or zstd'd XOR, whichever is smaller; :mod:`asyncrl.weights.delta`) when that is smaller than the bucket;
+    receivers without that base (late joiners, skipped versions, another incarnation) get full buckets. Costs
+    each receiver one more copy of the weights (the base) and both ends CPU time per bucket; pays off on links
+    slower than memory (zmq over tcp), not on ``shm``. Set it on the trainer and the workers alike."""
     wait_for_first_s: float = 60.0
     """A worker waits up to this long for the current weights before it generates (late joiners)."""
     catch_up_s: float = 10.0
@@ -201,12 +207,35 @@ class FaultConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    """Reward functions and their weights (TRL's ``reward_funcs`` / ``reward_weights``; ``asyncrl.rewards``)."""
+
+    funcs: list[str] = field(default_factory=lambda: ["workers.rewards:fake_reward"])
+    """Built-in names (``math``, ``format``, ``reasoning_gym``, ``arithmetic``, ``fake``) or ``module:function``,
+    each a batched function with TRL's signature, sync or ``async def``; each one's rewards are logged under its
+    name."""
+    weights: list[float] | None = None
+    """One weight per function: a rollout's reward is ``sum(weight * reward)`` over the functions that scored it.
+    None: every weight 1.0."""
+
+    def __post_init__(self):
+        if isinstance(self.funcs, str):
+            self.funcs = [self.funcs]
+        if not self.funcs or not all(isinstance(f, str) and f for f in self.funcs):
+            raise ValueError(f"reward.funcs={self.funcs!r} must be a non-empty list of names or 'module:function'")
+        if self.weights is not None and len(self.weights) != len(self.funcs):
+            raise ValueError(f"reward.weights has {len(self.weights)} values for {len(self.funcs)} reward.funcs "
+                             f"({self.funcs}); give one weight per function, or none for all 1.0")
+
+
+@dataclass(kw_only=True, slots=True)
 class WorkerConfig:
     """One rollout worker process."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
-    reward: str = "workers.rewards:fake_reward"
-    """``module:function`` of the batched reward function."""
+    reward: RewardConfig | str = field(default_factory=RewardConfig)
+    """The reward functions and weights; a plain ``module:function`` string (the old form) is one function of
+    weight 1."""
     environment: str | None = None
     """``module:Class`` of a multi-turn environment; its step rewards replace the reward function."""
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
@@ -223,6 +252,8 @@ class WorkerConfig:
     """Fault injection for the debugger's tests (off by default)."""
 
     def __post_init__(self):
+        if isinstance(self.reward, str):
+            self.reward = RewardConfig(funcs=[self.reward])
         if self.slots < 1 or self.max_batch < 1:
             raise ValueError(f"{self.slots=} and {self.max_batch=} must be >= 1")
         if self.interrupt_every_tokens < 0:
