@@ -28,15 +28,27 @@ decompression and an XOR (xor).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+import torch
 import zstandard
 
 from asyncrl.weights.base import Bucket, bucket_checksum
 
-__all__ = ["REFUSALS", "BucketDelta", "DeltaCodec", "DeltaRefused", "delta_word", "same_layout"]
+__all__ = [
+    "REFUSALS",
+    "BucketDelta",
+    "DeltaBase",
+    "DeltaCodec",
+    "DeltaRefused",
+    "apply_bucket",
+    "delta_word",
+    "encode_bucket",
+    "same_layout",
+]
 
 Encoding = Literal["sparse", "xor"]
 ENCODINGS: tuple[Encoding, ...] = ("sparse", "xor")
@@ -217,7 +229,7 @@ class DeltaCodec:
         got = bucket_checksum(memoryview(out))
         if got != delta.checksum:
             raise DeltaRefused("checksum_mismatch", f"delta against version {delta.base_version} gave checksum "
-                                                    f"{got:#010x}, the broadcaster's is {delta.checksum:#010x} "
+                                                    f"{got:#x}, the broadcaster's is {delta.checksum:#x} "
                                                     "(the base bytes differ)")
         return out
 
@@ -244,3 +256,101 @@ class DeltaCodec:
             return np.frombuffer(self._dctx.decompress(data, max_output_size=nbytes), dtype=np.uint8)
         except zstandard.ZstdError as e:
             raise DeltaRefused("malformed", f"delta {what}: {e}") from e
+
+
+# -- the backends' two ends ------------------------------------------------------------------------
+def _u8(data: torch.Tensor | np.ndarray) -> np.ndarray:
+    return data.numpy() if isinstance(data, torch.Tensor) else data
+
+
+def encode_bucket(codec: DeltaCodec, bucket: Bucket, data: torch.Tensor | np.ndarray, base_bucket: Bucket | None,
+                  base_data: torch.Tensor | np.ndarray | None, *, base_version: int,
+                  base_incarnation: str) -> BucketDelta | None:
+    """Broadcaster: ``bucket`` (whose ``checksum`` is set; bytes ``data``) as a delta against the same
+    bucket of a base version, or None (send it full) if the layouts differ or the delta is not smaller."""
+    if base_bucket is None or base_data is None or not same_layout(bucket, base_bucket) or bucket.nbytes == 0:
+        return None
+    return codec.encode(_u8(data), _u8(base_data), word=delta_word(bucket), base_version=base_version,
+                        base_incarnation=base_incarnation, checksum=bucket.checksum)
+
+
+def apply_bucket(codec: DeltaCodec, base: DeltaBase, bucket: Bucket, header: Any, payload: torch.Tensor | np.ndarray,
+                 *, checksum: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Receiver: the bytes of ``bucket`` (from a verified manifest) rebuilt from a peer's delta against
+    the receiver's base, in ``out`` (uint8, ``bucket.nbytes``; allocated if None).
+
+    Args:
+        checksum: the result's checksum as the broadcaster announced it apart from the delta (the
+            manifest's, or the bucket message's); default ``bucket.checksum``; 0 or None: only the
+            delta's own.
+
+    Raises:
+        DeltaRefused: the base is not held or has another layout (``base_mismatch``), the header or
+            payload is malformed or names another checksum than the broadcaster (``malformed``), or the
+            result fails the checksum (``checksum_mismatch``). Fetch the bucket in full.
+    """
+    payload = _u8(payload)
+    if payload.dtype != np.uint8 or payload.ndim != 1:
+        raise DeltaRefused("malformed", f"delta payload is {payload.dtype}{list(payload.shape)}, not 1-d uint8")
+    delta = BucketDelta.from_wire(header, payload)
+    expected = bucket.checksum if checksum is None else checksum
+    if delta.nbytes != bucket.nbytes or (expected and delta.checksum != expected):
+        raise DeltaRefused("malformed", f"delta of {delta.nbytes} bytes, checksum {delta.checksum:#x}; bucket "
+                                        f"{bucket.index} has {bucket.nbytes}, checksum {expected:#x}")
+    version, incarnation, base_data = base.bucket(bucket)
+    if base_data is None:
+        raise DeltaRefused("base_mismatch", f"no base for bucket {bucket.index} (holding version {version} of "
+                                            f"{incarnation!r}, whose bucket has another layout or none)")
+    out = torch.empty(bucket.nbytes, dtype=torch.uint8) if out is None else out
+    codec.decode(delta, base_data, base_version=version, base_incarnation=incarnation, out=out.numpy())
+    return out
+
+
+class DeltaBase:
+    """Receiver: the bucket bytes of the version it committed (the base deltas are made against) and of
+    the newest version it staged (the base once committed). Costs one copy of the weights.
+
+    The I/O thread calls :meth:`hold` when it stages a version and :meth:`bucket` when it decodes; the
+    worker's thread calls :meth:`commit`. A short lock guards the swap; the buffers themselves are never
+    written once held (a decode writes into a fresh buffer).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._base: tuple[int, str, list[Bucket], list[torch.Tensor]] | None = None
+        self._staged: tuple[int, str, list[Bucket], list[torch.Tensor]] | None = None
+
+    def hold(self, version: int, incarnation: str, buckets: list[Bucket], buffers: list[torch.Tensor]) -> None:
+        """Keeps a staged version's buffers (index order) until it is committed or replaced."""
+        with self._lock:
+            self._staged = (version, incarnation, buckets, buffers)
+
+    def commit(self, version: int, incarnation: str | None = None) -> None:
+        """The staged ``version`` (of ``incarnation``, if given) becomes the base; committing anything else
+        drops it. Matching by version alone agrees with the staging area, which commits the newest staged
+        version of that number, and that is the one held here if any."""
+        with self._lock:
+            s = self._staged
+            if s is not None and s[0] == version and incarnation in (None, s[1]):
+                self._base, self._staged = s, None
+            elif self._base is None or self._base[0] != version or incarnation not in (None, self._base[1]):
+                self._base = None  # committed something we hold no bytes of: no base
+
+    def key(self) -> tuple[int | None, str]:
+        """``(version, incarnation)`` of the base, ``(None, "")`` without one."""
+        with self._lock:
+            return (None, "") if self._base is None else (self._base[0], self._base[1])
+
+    def bucket(self, bucket: Bucket) -> tuple[int | None, str, np.ndarray | None]:
+        """The base's version, incarnation and bytes of the bucket laid out like ``bucket`` (None if not)."""
+        with self._lock:
+            if self._base is None:
+                return None, "", None
+            version, incarnation, buckets, buffers = self._base
+        if bucket.index < len(buckets) and same_layout(bucket, buckets[bucket.index]):
+            return version, incarnation, buffers[bucket.index].numpy()
+        return version, incarnation, None
+
+    def drop(self) -> None:
+        with self._lock:
+            self._base = self._staged = None
