@@ -148,3 +148,52 @@ def test_word_and_layout_of_buckets():
     assert same_layout(bucket, bucket) and not same_layout(bucket, other)
     (flags,) = plan_buckets({"m": torch.zeros(5, dtype=torch.bool), **tensors}, 1 << 20)
     assert delta_word(flags) == 1
+
+
+def _buckets(tensors):
+    from asyncrl.weights._checksum import fill_bucket
+
+    buckets = plan_buckets(tensors, 1 << 16)
+    buffers = []
+    for b in buckets:
+        buffers.append(torch.empty(b.nbytes, dtype=torch.uint8))
+        b.checksum = fill_bucket(b, tensors, buffers[-1])
+    return buckets, buffers
+
+
+def test_encode_apply_through_the_receivers_base():
+    from asyncrl.weights.delta import DeltaBase, apply_bucket, encode_bucket
+
+    g = torch.Generator().manual_seed(0)
+    v1 = {f"w{i}": (torch.randn(20_000, generator=g) * 0.02).to(torch.bfloat16) for i in range(4)}
+    v2 = {k: _step(t, 0.02, 1e-2, i) for i, (k, t) in enumerate(v1.items())}
+    b1, d1 = _buckets(v1)
+    b2, d2 = _buckets(v2)
+    base = DeltaBase()
+    assert base.key() == (None, "")
+    base.hold(1, "inc", b1, d1)
+    base.commit(1)
+    assert base.key() == (1, "inc")
+    codec = DeltaCodec()
+    for b, data, bb, bd in zip(b2, d2, b1, d1):
+        delta = encode_bucket(codec, b, data, bb, bd, base_version=1, base_incarnation="inc")
+        assert delta is not None and delta.wire_nbytes * 10 < b.nbytes
+        out = apply_bucket(codec, base, b, delta.header(), torch.from_numpy(delta.payload.copy()))
+        assert torch.equal(out, data)
+    # another layout (a tensor grew) is no base: encode says "send it full", apply refuses
+    b3, d3 = _buckets({**v2, "w0": torch.zeros(20_001, dtype=torch.bfloat16)})
+    assert encode_bucket(codec, b3[0], d3[0], b1[0], d1[0], base_version=1, base_incarnation="inc") is None
+    delta = encode_bucket(codec, b2[0], d2[0], b1[0], d1[0], base_version=1, base_incarnation="inc")
+    with pytest.raises(DeltaRefused) as e:
+        apply_bucket(codec, base, b3[0], delta.header(), delta.payload)
+    assert e.value.reason in ("base_mismatch", "malformed")
+    # a checksum announced apart from the delta that disagrees with it is refused
+    with pytest.raises(DeltaRefused) as e:
+        apply_bucket(codec, base, b2[0], delta.header(), delta.payload, checksum=b2[0].checksum ^ 1)
+    assert e.value.reason == "malformed"
+    # committing a version whose bytes were never held drops the base: everything comes full
+    base.commit(7)
+    assert base.key() == (None, "")
+    with pytest.raises(DeltaRefused) as e:
+        apply_bucket(codec, base, b2[0], delta.header(), delta.payload)
+    assert e.value.reason == "base_mismatch"
