@@ -48,7 +48,6 @@ def _worker(args: argparse.Namespace) -> None:
         from asyncrl.lifeline import die_with_parent
 
         die_with_parent(args.parent_pid, what=f"rollout worker {args.worker_id or ''}".strip())
-    from workers.worker import run_worker
 
     tree: dict[str, Any] = {"worker": {}, "transport": {}}
     if args.config:
@@ -60,6 +59,12 @@ def _worker(args: argparse.Namespace) -> None:
         _apply_override(tree, item)
     if args.client_key_file:  # this worker's CURVE secret key: its public key is in the pool's allow-list
         tree.setdefault("transport", {})["curve_client_key_file"] = args.client_key_file
+    if args.device:  # before any engine touches CUDA: this process sees only its GPUs
+        from workers.launcher import pin_device
+
+        tree.setdefault("worker", {}).setdefault("engine", {})["device"] = pin_device(args.device)
+    from workers.worker import run_worker
+
     worker = from_dict(WorkerConfig, tree.get("worker", {}))
     transport = from_dict(TransportConfig, tree.get("transport", {}))
     worker_id = args.worker_id or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -96,6 +101,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     w.add_argument("--worker-id", help="unique worker name (default: host-pid-random)")
     w.add_argument("--server-key", help="the pools' CURVE public key (Z85) when they use CURVE")
     w.add_argument("--client-key-file", help="this worker's CURVE secret key file (transport.curve_client_key_file)")
+    w.add_argument("--device", help="run on this device: cuda:N (or cuda:N,M for tensor parallel) pins the worker "
+                   "to those GPUs (CUDA_VISIBLE_DEVICES); the local launcher passes worker.devices[slot]")
     w.add_argument("--parent-pid", type=int, help="exit as soon as this process is gone (the local launcher's pid)")
     w.add_argument("--log-level", default=os.environ.get("ASYNCRL_LOG_LEVEL", "WARNING"))
     w.set_defaults(func=_worker)

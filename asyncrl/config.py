@@ -7,6 +7,7 @@ Configs are plain data so they travel as JSON (orjson) to worker processes and l
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -106,9 +107,11 @@ class EngineConfig:
     model: str | None = None
     """HF model directory (``hf``/``vllm``); see ``workers.tiny_model.build_tiny_model``."""
     dtype: str = "float32"
-    """Model dtype: float32, bfloat16 or float16."""
+    """Model dtype: float32, bfloat16 or float16 (the recipe sets it from ``model.dtype``)."""
     device: str = "cpu"
-    """``hf``: torch device (``cpu``, ``cuda``, ``cuda:1``)."""
+    """``hf``: torch device (``cpu``, ``cuda``, ``cuda:1``). ``vllm`` uses the GPUs its process sees: give a local
+    worker its own with ``worker.devices`` (or ``asyncrl worker --device cuda:1``), which sets
+    ``CUDA_VISIBLE_DEVICES`` for the worker process."""
     seed: int = 0
     """Sampling seed (fake engine: a rollout depends only on seed, uid and policy_version)."""
     seed_per_prompt: bool = False
@@ -145,8 +148,17 @@ class EngineConfig:
     """Fake engine: simulated seconds to load one weight update into the engine (time model)."""
     max_model_len: int | None = None
     """``vllm``: longest prompt + response (None: the model's own limit)."""
-    kv_cache_bytes: int = 64 * 1024 * 1024
-    """``vllm``: KV cache size."""
+    kv_cache_bytes: int | None = 64 * 1024 * 1024
+    """``vllm``: KV cache size in bytes (what a CPU run needs: the default suits the tiny model). None: sized by
+    ``gpu_memory_utilization`` instead (GPU runs)."""
+    gpu_memory_utilization: float = 0.9
+    """``vllm`` on a GPU with ``kv_cache_bytes: null``: the fraction of the GPU's memory vLLM may take for weights,
+    activations and KV cache (lower it when the trainer shares the GPU)."""
+    tensor_parallel_size: int = 1
+    """``vllm``: GPUs one engine spans (tensor parallel); a local worker needs that many in its ``worker.devices``
+    entry (``cuda:0,1``)."""
+    enforce_eager: bool = True
+    """``vllm``: no CUDA graphs (required on CPU; False on a GPU captures graphs: slower start-up, faster decoding)."""
     lora_rank: int = 0
     """> 0 enables LoRA adapters up to this rank (weights arrive in ``lora`` mode)."""
 
@@ -157,6 +169,13 @@ class EngineConfig:
             raise ValueError(f"{self.temperature=} must be > 0 (greedy decoding has no sampling distribution)")
         if not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ValueError(f"need 0 < {self.top_p=} <= 1 and {self.top_k=} >= 0")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"engine.dtype={self.dtype!r} must be one of float32, bfloat16, float16")
+        if not 0 < self.gpu_memory_utilization <= 1 or self.tensor_parallel_size < 1:
+            raise ValueError(f"need 0 < {self.gpu_memory_utilization=} <= 1 and {self.tensor_parallel_size=} >= 1")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"engine.kv_cache_bytes={self.kv_cache_bytes} must be > 0, or None to size the KV cache "
+                             "by engine.gpu_memory_utilization")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -248,6 +267,11 @@ class WorkerConfig:
     ``max_batch`` lets the next batch's leases arrive while this one generates."""
     max_batch: int = 4
     """Most leases generated together in one engine call."""
+    devices: list[str] = field(default_factory=list)
+    """Local workers (``loader.num_workers``): the device of each worker slot, dealt round-robin over all ranks'
+    slots (slot ``i`` of rank ``r`` gets ``devices[(r * num_workers + i) % len(devices)]``): ``cuda:3``, ``cuda:0,1``
+    (an engine with ``tensor_parallel_size: 2``) or ``cpu``. The worker process sees only those GPUs
+    (``CUDA_VISIBLE_DEVICES``) and its engine runs on the first. Empty: ``engine.device``, every GPU visible."""
     fault: FaultConfig = field(default_factory=FaultConfig)
     """Fault injection for the debugger's tests (off by default)."""
 
@@ -256,6 +280,13 @@ class WorkerConfig:
             self.reward = RewardConfig(funcs=[self.reward])
         if self.slots < 1 or self.max_batch < 1:
             raise ValueError(f"{self.slots=} and {self.max_batch=} must be >= 1")
+        for device in self.devices:
+            if not re.fullmatch(r"cpu|cuda(:\d+(,\d+)*)?", device):
+                raise ValueError(f"worker.devices entry {device!r} must be 'cpu', 'cuda', 'cuda:N' or 'cuda:N,M,...'")
+            gpus = device.partition(":")[2].count(",") + 1 if ":" in device else None
+            if self.engine.type == "vllm" and gpus is not None and gpus != self.engine.tensor_parallel_size:
+                raise ValueError(f"worker.devices entry {device!r} names {gpus} GPUs but engine.tensor_parallel_size="
+                                 f"{self.engine.tensor_parallel_size}: give each vLLM worker as many GPUs as it spans")
         if self.interrupt_every_tokens < 0:
             raise ValueError(f"{self.interrupt_every_tokens=} must be >= 0")
         if self.interrupt_every_tokens and self.environment:

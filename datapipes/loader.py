@@ -126,6 +126,7 @@ class RolloutLoader(Loader[TrainBatch]):
             targets = self.endpoints if config.serve_all_ranks else [self.endpoint]
             self.launcher = LocalWorkerLauncher(
                 targets, config.num_workers, config.worker, config.transport, name=f"r{rank}w",
+                device_offset=rank * config.num_workers,  # worker.devices are dealt over every rank's slots
                 max_restarts=_max_restarts(config.restart_workers),
                 backoff_s=config.restart_backoff_s,
                 backoff_max_s=config.restart_backoff_max_s,

@@ -59,7 +59,7 @@ from asyncrl.losses import LossConfig, group_advantages, mismatch_metrics, polic
 from asyncrl.run_dir import RunDirLock, RunDirLocked, truncate_records
 from asyncrl.timeline import new_incarnation
 from asyncrl.weights import setup_weight_broadcaster
-from workers.tasks import arithmetic_prompts
+from asyncrl.data import DataConfig, load_prompts
 from workers.tiny_model import build_tiny_model
 
 
@@ -72,13 +72,6 @@ class ModelConfig:
     path: str | None = None
     """HF model directory; None builds the tiny embedded model into ``{run_dir}/model``."""
     dtype: str = "float32"
-
-
-@dataclass(kw_only=True, slots=True)
-class DataConfig:
-    num_prompts: int = 1024
-    max_operand: int = 9
-    seed: int = 0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -206,7 +199,7 @@ class GRPORecipe:
             build_tiny_model(model_dir, seed=cfg.train.seed, dtype=cfg.model.dtype)
         dist.barrier()
         self.model_dir = model_dir
-        self.prompts = arithmetic_prompts(cfg.data.num_prompts, seed=cfg.data.seed, max_operand=cfg.data.max_operand)
+        self.prompts = load_prompts(cfg.data, model_dir)  # rendered to token ids once, here; logs what it drops
         self.step, self.version = 0, 0
         latest = self._latest_checkpoint() if self.resume else None
         if cfg.lora.rank and cfg.train.sft_steps:
@@ -309,17 +302,19 @@ class GRPORecipe:
         cfg = self.cfg.train
         opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.sft_lr)
         gen = torch.Generator().manual_seed(cfg.seed + 1000 * self.rank)
-        bos, eos = self.tokenizer.bos_token_id, self.tokenizer.eos_token_id
+        eos = self.tokenizer.eos_token_id
         for _ in range(cfg.sft_steps):
             idx = torch.randint(len(self.prompts), (cfg.sft_batch,), generator=gen).tolist()
             rows = [self.prompts[i] for i in idx]
-            seqs = [[bos, *self.tokenizer(r["text"] + r["answer"], add_special_tokens=False).input_ids, eos] for r in rows]
+            # the rendered prompt's token ids, then the answer's: the loss masks the prompt by tokens, not characters
+            seqs = [[*r["prompt_ids"], *self.tokenizer(str(r["answer"]), add_special_tokens=False).input_ids, eos]
+                    for r in rows]
             width = max(map(len, seqs))
             ids = torch.zeros(len(seqs), width, dtype=torch.long)
             labels = torch.full_like(ids, -100)
             for b, (r, s) in enumerate(zip(rows, seqs)):
                 ids[b, : len(s)] = torch.tensor(s)
-                start = 1 + len(r["text"])
+                start = len(r["prompt_ids"])
                 labels[b, start : len(s)] = ids[b, start : len(s)]
             loss = self.model(input_ids=ids.to(self.device), labels=labels.to(self.device)).loss
             opt.zero_grad()
@@ -354,7 +349,8 @@ class GRPORecipe:
         worker = dataclasses.replace(
             cfg.rollout.worker,
             weights=dataclasses.replace(cfg.weights, address=self.weights_address),
-            engine=dataclasses.replace(cfg.rollout.worker.engine, model=self.model_dir, lora_rank=cfg.lora.rank),
+            engine=dataclasses.replace(cfg.rollout.worker.engine, model=self.model_dir, lora_rank=cfg.lora.rank,
+                                       dtype=cfg.model.dtype),
         )
         # the gate refuses token ids outside the model's vocabulary (a forged or broken worker's)
         gate = dataclasses.replace(cfg.rollout.gate, vocab_size=cfg.rollout.gate.vocab_size or self.policy.config.vocab_size)

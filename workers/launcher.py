@@ -11,6 +11,9 @@ waits for groups; it never blocks): a slot whose worker died is restarted after 
 doubled for each further death of a worker that ran less than ``backoff_max_s`` (a worker that
 stayed up that long resets the slot's backoff), at most ``max_restarts`` times per slot (None:
 always). Every death, delay and restart is logged and counted in :meth:`~LocalWorkerLauncher.stats`.
+
+Devices: with ``worker.devices`` each slot gets its own (``--device``), and the worker process pins itself to
+it before its engine starts (:func:`pin_device`: ``CUDA_VISIBLE_DEVICES`` = those GPUs, the engine on the first).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any
 from asyncrl.codec import dumps_json
 from asyncrl.config import TransportConfig, WorkerConfig, to_dict
 
-__all__ = ["LocalWorkerLauncher"]
+__all__ = ["LocalWorkerLauncher", "pin_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,8 @@ class LocalWorkerLauncher:
         backoff_s: wait before the first restart of a slot; doubled per further quick death.
         backoff_max_s: longest wait; a worker up for this long resets its slot's backoff.
         env: extra environment variables for the workers.
+        device_offset: the global index of slot 0 (``rank * num_workers``): slot ``i`` gets
+            ``worker.devices[(device_offset + i) % len(worker.devices)]``.
         clock: monotonic seconds (tests pass a fake).
     """
 
@@ -62,6 +67,7 @@ class LocalWorkerLauncher:
         backoff_s: float = 1.0,
         backoff_max_s: float = 60.0,
         env: dict[str, str] | None = None,
+        device_offset: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ):
         if max_restarts is not None and max_restarts < 0:
@@ -77,6 +83,7 @@ class LocalWorkerLauncher:
         self.backoff_s = backoff_s
         self.backoff_max_s = backoff_max_s
         self.clock = clock
+        self.device_offset = device_offset
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
         self.procs: list[subprocess.Popen | None] = [None] * num_workers
         self.restarts = [0] * num_workers
@@ -93,8 +100,15 @@ class LocalWorkerLauncher:
         argv = [sys.executable, "-m", "workers", "--worker-id", f"{self.name}-{i}", "--parent-pid", str(os.getpid())]
         for ep in self.endpoints:
             argv += ["--connect", ep]
+        if device := self.device(i):
+            argv += ["--device", device]
         argv += ["--config-json", dumps_json({"worker": to_dict(self.worker), "transport": to_dict(self.transport)}).decode()]
         return argv
+
+    def device(self, i: int) -> str | None:
+        """The device of slot ``i`` (None: no ``worker.devices``)."""
+        devices = self.worker.devices
+        return devices[(self.device_offset + i) % len(devices)] if devices else None
 
     def start(self) -> None:
         for i in range(self.num_workers):
@@ -195,3 +209,32 @@ def _terminate(procs: list[subprocess.Popen | None], timeout: float = 10.0) -> N
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def pin_device(device: str, environ: dict[str, str] | None = None) -> str:
+    """Pins this process to ``device`` and returns the engine's device within what it now sees.
+
+    ``cuda:i[,j,...]`` sets ``CUDA_VISIBLE_DEVICES`` to those GPUs (indices into the GPUs this process already
+    sees, when ``CUDA_VISIBLE_DEVICES`` is set) and returns ``cuda:0``; ``cpu`` and ``cuda`` are returned as
+    they are. Call it before CUDA is initialised (the worker does, before its engine starts).
+
+    Raises:
+        ValueError: an index beyond the GPUs ``CUDA_VISIBLE_DEVICES`` lists, or a malformed device.
+    """
+    environ = os.environ if environ is None else environ
+    if device in ("cpu", "cuda"):
+        return device
+    kind, _, indices = device.partition(":")
+    if kind != "cuda" or not indices or not all(i.isdigit() for i in indices.split(",")):
+        raise ValueError(f"device {device!r} must be 'cpu', 'cuda', 'cuda:N' or 'cuda:N,M,...'")
+    wanted = [int(i) for i in indices.split(",")]
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        seen = [v.strip() for v in visible.split(",") if v.strip()]
+        if max(wanted) >= len(seen):
+            raise ValueError(f"device {device!r}: this process sees only {len(seen)} GPUs ({visible=})")
+        physical = [seen[i] for i in wanted]
+    else:
+        physical = [str(i) for i in wanted]
+    environ["CUDA_VISIBLE_DEVICES"] = ",".join(physical)
+    return "cuda:0"

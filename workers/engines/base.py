@@ -23,7 +23,8 @@ class GenerationRequest:
     epoch: int
     prompt_index: int
     prompt: Any
-    """The dataset item as sent by the pool (``{"prompt_ids": [...]}`` or ``{"text": ...}``)."""
+    """The dataset item as sent by the pool (``{"prompt_ids": [...], ...}``, or ``{"text": ...}``/``{"messages": ...}``
+    rendered by :func:`prompt_token_ids`)."""
     n: int
     max_new_tokens: int | None = None
     """Overrides ``engine.max_new_tokens`` (the worker generates in chunks when it may interrupt)."""
@@ -47,27 +48,27 @@ class Completion:
 
 
 def prompt_token_ids(prompt: Any, tokenizer: Any | None = None) -> torch.Tensor:
-    """int32 token ids of a prompt item: ``{"prompt_ids": [...]}`` as given; ``{"text": ...}`` or a str
-    tokenized without special tokens after the tokenizer's bos (if it has one), or as UTF-8 bytes when
-    there is no tokenizer (the fake engine).
+    """int32 token ids of a prompt item: ``{"prompt_ids": [...]}`` as given (what the trainer's ``data:``
+    section sends: rendered once, :mod:`asyncrl.data`); otherwise ``{"messages": [...]}``, ``{"prompt": ...}``,
+    ``{"text": ...}`` or a str rendered by :func:`asyncrl.data.render_prompt`, the one rendering function (chat
+    turns with the tokenizer's chat template; text after the tokenizer's bos, or as UTF-8 bytes when there is
+    no tokenizer: the fake engine).
 
     Raises:
-        ValueError: for an item with neither.
+        ValueError: for an item with none of these.
     """
+    from asyncrl.data import render_prompt
+
     if isinstance(prompt, dict) and "prompt_ids" in prompt:
         ids = prompt["prompt_ids"]
-        out = ids.to(torch.int32) if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int32)
-    else:
-        text = prompt.get("text") if isinstance(prompt, dict) else prompt
-        if not isinstance(text, str):
-            raise ValueError(f"an engine needs a prompt with 'prompt_ids' or 'text', got {prompt!r:.200}")
-        if tokenizer is None:
-            ids = list(text.encode())
-        else:
-            bos = tokenizer.bos_token_id
-            ids = ([bos] if bos is not None else []) + tokenizer(text, add_special_tokens=False).input_ids
-        out = torch.tensor(ids, dtype=torch.int32)
-    return out
+        return ids.to(torch.int32) if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int32)
+    if isinstance(prompt, dict):
+        key = next((k for k in ("messages", "prompt", "text") if k in prompt), None)
+        if key is None:
+            raise ValueError(f"an engine needs a prompt with 'prompt_ids', 'messages', 'prompt' or 'text', "
+                             f"got {prompt!r:.200}")
+        prompt = prompt[key]
+    return torch.tensor(render_prompt(prompt, tokenizer), dtype=torch.int32)
 
 
 class Engine(abc.ABC):

@@ -4,6 +4,10 @@ Logprobs come from vLLM itself, for the sampled token only (``SamplingParams(log
 the distribution actually sampled from (``logprobs_mode="processed_logprobs"``: after temperature,
 top-k and top-p), which is what :func:`asyncrl.logprobs.token_logprobs` computes on the trainer.
 
+Settings come from the engine config: ``dtype``, ``max_model_len``, ``enforce_eager``, ``tensor_parallel_size``,
+and the KV cache either as ``kv_cache_bytes`` (CPU runs; the tiny model's default) or, with ``kv_cache_bytes:
+null``, as ``gpu_memory_utilization`` of the GPU. vLLM runs on the GPUs its process sees (``worker.devices``).
+
 Weights: a full update goes as safetensors bytes to a worker extension that calls
 ``reload_weights``; a LoRA update is written as a peft adapter directory and served with
 ``LoRARequest(..., load_inplace=True)`` (a plain re-send would serve the cached adapter). After
@@ -61,13 +65,16 @@ class VLLMEngine(Engine):
             if max_rank is None:
                 raise ValueError(f"engine.lora_rank={config.lora_rank} exceeds vLLM's largest LoRA rank {_VLLM_LORA_RANKS[-1]}")
             lora = {"enable_lora": True, "max_lora_rank": max_rank, "max_loras": 1}
+        memory = ({"kv_cache_memory_bytes": config.kv_cache_bytes} if config.kv_cache_bytes is not None
+                  else {"gpu_memory_utilization": config.gpu_memory_utilization})
         self.llm = LLM(
             model=config.model,
             dtype=config.dtype,
-            enforce_eager=True,
+            enforce_eager=config.enforce_eager,
             seed=config.seed,
             max_model_len=config.max_model_len,
-            kv_cache_memory_bytes=config.kv_cache_bytes,
+            tensor_parallel_size=config.tensor_parallel_size,
+            **memory,
             logprobs_mode="processed_logprobs",
             worker_extension_cls="workers.engines._vllm_ext.AsyncrlWorkerExtension",
             **lora,
