@@ -135,6 +135,20 @@ def same_layout(a: Bucket, b: Bucket) -> bool:
     return a.nbytes == b.nbytes and a.to_wire()["slots"] == b.to_wire()["slots"]
 
 
+def _changed(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Positions and values of the nonzero words of ``x``: first the nonzero 8-byte blocks, then the words
+    inside those (numpy's nonzero is fastest on a bool mask; 8-byte blocks make the first pass 4x shorter
+    for 2-byte words): ~3x faster than ``np.flatnonzero(x)`` at the sparsity of one optimizer step."""
+    per = 8 // x.itemsize
+    if per == 1 or x.size % per:
+        positions = np.flatnonzero(x != 0)
+        return positions, x[positions]
+    blocks = np.flatnonzero(x.view(np.uint64) != 0)
+    words = x.view(np.uint64)[blocks].view(x.dtype)
+    inner = np.flatnonzero(words != 0)
+    return blocks[inner // per] * per + inner % per, words[inner]
+
+
 def _shuffle(a: np.ndarray) -> np.ndarray:
     """Byte planes (all first bytes, then all second bytes...): small numbers compress far better."""
     return np.ascontiguousarray(a.view(np.uint8).reshape(-1, a.itemsize).T).reshape(-1)
@@ -183,13 +197,13 @@ class DeltaCodec:
                                 "nbytes": new.nbytes, "checksum": checksum}
         x = self._xor(new, base, word)
         best: BucketDelta | None = None
-        positions = np.flatnonzero(x)
+        positions, values = _changed(x)
         nwords = x.size
         if positions.size * 2 <= nwords < 2**32:
             pos = positions.astype(np.uint32)
             gaps = np.diff(pos, prepend=np.uint32(0))  # the first gap is the first position
             z_gaps = self._cctx.compress(_shuffle(gaps)) if pos.size else b""
-            z_vals = self._cctx.compress(_shuffle(x[positions])) if pos.size else b""
+            z_vals = self._cctx.compress(_shuffle(values)) if pos.size else b""
             payload = np.frombuffer(z_gaps + z_vals, dtype=np.uint8)
             best = BucketDelta(encoding="sparse", count=int(pos.size), split=len(z_gaps), payload=payload, **meta)
         if positions.size > XOR_DENSITY * nwords:

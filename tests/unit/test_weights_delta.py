@@ -151,13 +151,13 @@ def test_word_and_layout_of_buckets():
 
 
 def _buckets(tensors):
-    from asyncrl.weights._checksum import fill_bucket
-
     buckets = plan_buckets(tensors, 1 << 16)
     buffers = []
     for b in buckets:
-        buffers.append(torch.empty(b.nbytes, dtype=torch.uint8))
-        b.checksum = fill_bucket(b, tensors, buffers[-1])
+        buffers.append(torch.zeros(b.nbytes, dtype=torch.uint8))
+        for s in b.slots:
+            buffers[-1][s.offset : s.offset + s.nbytes].view(tensors[s.name].dtype).copy_(tensors[s.name].view(-1))
+        b.checksum = bucket_checksum(memoryview(buffers[-1].numpy()))
     return buckets, buffers
 
 
