@@ -43,9 +43,13 @@ QWEN2_SPLIT = (
 )
 """Qwen2's pre-tokenizer pattern (``tokenizer.json`` of Qwen2.5): numbers split into single digits."""
 VOCAB_SIZE = 512
-_WORDS = ("the a one two three four five six seven eight nine ten what is plus minus times sum of and answer "
-          "question please compute add numbers result equals give only final solve this problem count how many "
-          "legs does cat dog bird have total value write your think step first then so we get it").split()
+_WORDS = [
+    "the", "a", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "what", "is", "plus",
+    "minus", "times", "sum", "of", "and", "answer", "question", "please", "compute", "add", "numbers", "result",
+    "equals", "give", "only", "final", "solve", "this", "problem", "count", "how", "many", "legs", "does", "cat",
+    "dog", "bird", "have", "total", "value", "write", "your", "think", "step", "first", "then", "so", "we", "get",
+    "it",
+]
 
 
 def corpus(n: int = 4000, *, seed: int = 0) -> list[str]:
