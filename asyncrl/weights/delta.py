@@ -29,6 +29,7 @@ decompression and an XOR (xor).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -321,34 +322,33 @@ def apply_bucket(codec: DeltaCodec, base: DeltaBase, bucket: Bucket, header: Any
 
 
 class DeltaBase:
-    """Receiver: the bucket bytes of the version it committed (the base deltas are made against) and of
-    the newest version it staged (the base once committed). Costs one copy of the weights.
+    """Receiver: the bucket bytes of one version it verified and committed: the base deltas are made against.
+    Costs one set of receive buffers (one copy of the weights) held back from reuse.
 
-    The I/O thread calls :meth:`hold` when it stages a version and :meth:`bucket` when it decodes; the
-    worker's thread calls :meth:`commit`. A short lock guards the swap; the buffers themselves are never
-    written once held (a decode writes into a fresh buffer).
+    The backend hands a staged update's buffers here when the staging area releases them
+    (:meth:`release`): buffers of the version just committed become the base and the previous base's
+    buffers go back to the backend's pool; any others go back at once. The I/O thread reads the base
+    (:meth:`key`, :meth:`bucket`) while decoding. The base's bytes are never written while it is the base
+    (a decode writes into a transfer's own buffers), and its identity is always that of its bytes, so a
+    base is never wrong, at worst absent.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._base: tuple[int, str, list[Bucket], list[torch.Tensor]] | None = None
-        self._staged: tuple[int, str, list[Bucket], list[torch.Tensor]] | None = None
+        self._base: tuple[int, str, list[Bucket], list[torch.Tensor], Callable[[], None]] | None = None
 
-    def hold(self, version: int, incarnation: str, buckets: list[Bucket], buffers: list[torch.Tensor]) -> None:
-        """Keeps a staged version's buffers (index order) until it is committed or replaced."""
+    def release(self, version: int, incarnation: str, buckets: list[Bucket], buffers: list[torch.Tensor],
+                give_back: Callable[[], None], *, committed: bool) -> None:
+        """A staged update of ``(incarnation, version)`` in ``buffers`` is unused now. ``committed``: it is
+        the version the engine runs, so it becomes the base (the previous base is given back); otherwise
+        ``give_back()`` is called at once."""
+        if not committed:
+            give_back()
+            return
         with self._lock:
-            self._staged = (version, incarnation, buckets, buffers)
-
-    def commit(self, version: int, incarnation: str | None = None) -> None:
-        """The staged ``version`` (of ``incarnation``, if given) becomes the base; committing anything else
-        drops it. Matching by version alone agrees with the staging area, which commits the newest staged
-        version of that number, and that is the one held here if any."""
-        with self._lock:
-            s = self._staged
-            if s is not None and s[0] == version and incarnation in (None, s[1]):
-                self._base, self._staged = s, None
-            elif self._base is None or self._base[0] != version or incarnation not in (None, self._base[1]):
-                self._base = None  # committed something we hold no bytes of: no base
+            old, self._base = self._base, (version, incarnation, buckets, buffers, give_back)
+        if old is not None:
+            old[4]()
 
     def key(self) -> tuple[int | None, str]:
         """``(version, incarnation)`` of the base, ``(None, "")`` without one."""
@@ -360,11 +360,14 @@ class DeltaBase:
         with self._lock:
             if self._base is None:
                 return None, "", None
-            version, incarnation, buckets, buffers = self._base
+            version, incarnation, buckets, buffers, _ = self._base
         if bucket.index < len(buckets) and same_layout(bucket, buckets[bucket.index]):
             return version, incarnation, buffers[bucket.index].numpy()
         return version, incarnation, None
 
     def drop(self) -> None:
+        """Forgets the base (its buffers are given back): every bucket comes full until the next commit."""
         with self._lock:
-            self._base = self._staged = None
+            old, self._base = self._base, None
+        if old is not None:
+            old[4]()

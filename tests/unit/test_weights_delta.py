@@ -169,11 +169,12 @@ def test_encode_apply_through_the_receivers_base():
     v2 = {k: _step(t, 0.02, 1e-2, i) for i, (k, t) in enumerate(v1.items())}
     b1, d1 = _buckets(v1)
     b2, d2 = _buckets(v2)
-    base = DeltaBase()
+    base, given = DeltaBase(), []
     assert base.key() == (None, "")
-    base.hold(1, "inc", b1, d1)
-    base.commit(1)
-    assert base.key() == (1, "inc")
+    base.release(1, "inc", b2, d2, lambda: given.append("staged, superseded"), committed=False)
+    assert given == ["staged, superseded"] and base.key() == (None, "")
+    base.release(1, "inc", b1, d1, lambda: given.append("v1"), committed=True)
+    assert base.key() == (1, "inc") and given == ["staged, superseded"]
     codec = DeltaCodec()
     for b, data, bb, bd in zip(b2, d2, b1, d1):
         delta = encode_bucket(codec, b, data, bb, bd, base_version=1, base_incarnation="inc")
@@ -191,9 +192,11 @@ def test_encode_apply_through_the_receivers_base():
     with pytest.raises(DeltaRefused) as e:
         apply_bucket(codec, base, b2[0], delta.header(), delta.payload, checksum=b2[0].checksum ^ 1)
     assert e.value.reason == "malformed"
-    # committing a version whose bytes were never held drops the base: everything comes full
-    base.commit(7)
-    assert base.key() == (None, "")
+    # a new base gives the old one's buffers back; a dropped base means everything comes full
+    base.release(2, "inc", b2, d2, lambda: given.append("v2"), committed=True)
+    assert base.key() == (2, "inc") and given[-1] == "v1"
+    base.drop()
+    assert base.key() == (None, "") and given[-1] == "v2"
     with pytest.raises(DeltaRefused) as e:
         apply_bucket(codec, base, b2[0], delta.header(), delta.payload)
     assert e.value.reason == "base_mismatch"
