@@ -397,6 +397,10 @@ class PromptLedger:
         """``(failed attempts, last error text)`` of a prompt in this epoch."""
         return self._failures.get(prompt_index, (0, ""))
 
+    def failures(self) -> dict[int, tuple[int, str]]:
+        """``prompt index -> (failed attempts, last error text)`` of this epoch's prompts that failed on workers."""
+        return dict(self._failures)
+
     def wake(self, now: float) -> None:
         """Queues for re-issue every failed prompt whose backoff has passed."""
         for idx in [i for i, t in self._delayed.items() if t <= now]:

@@ -215,7 +215,8 @@ class RolloutLoader(Loader[TrainBatch]):
         return self.pool.commit_delivered(except_prompts=held)
 
     def stats(self) -> dict[str, Any]:
-        """Counters of the pool, ledger, transport and local workers (for logs and metrics)."""
+        """Counters of the pool, ledger, transport and local workers (for logs and metrics); ``prompt_failures``:
+        this epoch's prompts whose leases came back FAILED, with the count and the worker's last error text."""
         with self.pool.cond:
             pool = dict(self.pool.stats)
             ledger = dict(self.pool.ledger.counters)
@@ -225,6 +226,7 @@ class RolloutLoader(Loader[TrainBatch]):
             epoch, consumed = self.pool.ledger.epoch, self.pool.ledger.num_consumed
             delivered = self.pool.num_delivered  # yielded, not trained yet (re-delivered by a checkpoint)
             skipped = self.pool.ledger.skipped  # poisoned prompts skipped this epoch: done, never consumed
+            failures = self.pool.ledger.failures()  # the workers' error texts (engine or reward errors)
         return {
             "epoch": epoch,
             "consumed": consumed,
@@ -237,6 +239,7 @@ class RolloutLoader(Loader[TrainBatch]):
             "ledger": ledger,
             "transport": self.receiver.stats(),
             "skipped": skipped,
+            "prompt_failures": {str(i): {"failures": n, "error": e} for i, (n, e) in failures.items()},
             "workers": self.launcher.stats() if self.launcher is not None else None,
         }
 

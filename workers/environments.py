@@ -4,7 +4,8 @@ An episode's rollout keeps every token in order — generated tokens (``loss_mas
 their rollout logprobs and policy versions) and environment tokens (``loss_mask`` False, logprob
 0) — so the trainer's loss covers exactly what the policy produced. One environment instance per
 sample; the samples of all leases in a batch advance turn by turn in one engine call per turn.
-The rollout's reward is the sum of the step rewards. Configs name an environment class as
+The rollout's reward is the sum of the step rewards (:func:`env_reward`, the worker's only reward function
+when it runs an environment), with the last step's ``info`` as its components. Configs name an environment class as
 ``"module:Class"``; it is constructed with no arguments.
 """
 
@@ -20,7 +21,7 @@ import torch
 from asyncrl.rollout import spans_of
 from workers.engines.base import Completion, Engine, GenerationRequest
 
-__all__ = ["ArithmeticRetryEnv", "EnvStep", "Environment", "load_environment", "run_episodes"]
+__all__ = ["ArithmeticRetryEnv", "EnvStep", "Environment", "env_reward", "load_environment", "run_episodes"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -64,6 +65,11 @@ class ArithmeticRetryEnv(Environment):
         return EnvStep(observation=" no, again:", done=self.turn >= self.max_turns, info={"turns": self.turn})
 
 
+def env_reward(prompts: list[Any], completions: list[Completion]) -> list[dict[str, float]]:
+    """An episode's reward: the sum of its step rewards, with the last step's ``info`` as components."""
+    return [{"reward": float(c.env_reward or 0.0), **c.env_info} for c in completions]
+
+
 def load_environment(spec: str) -> type[Environment]:
     module, _, name = spec.partition(":")
     if not name:
@@ -80,6 +86,7 @@ class _Episode:
     mask: list[bool] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     reward: float = 0.0
+    info: dict[str, float] = field(default_factory=dict)
     finish_reason: str = "env"
     done: bool = False
     texts: list[str] = field(default_factory=list)
@@ -114,6 +121,7 @@ def run_episodes(engine: Engine, env_cls: type[Environment], requests: list[Gene
             _append(ep, c)
             step = ep.env.step(c.text if c.text is not None else engine.decode(c.response_ids))
             ep.reward += step.reward
+            ep.info = {k: float(v) for k, v in step.info.items()}
             if step.done or turn == env_cls.max_turns - 1:
                 ep.done, ep.finish_reason = True, "env" if step.done else c.finish_reason
             else:
@@ -148,5 +156,6 @@ def _completion(ep: _Episode) -> Completion:
         loss_mask=torch.tensor(ep.mask, dtype=torch.bool),
         text="".join(ep.texts),
         env_reward=ep.reward,
+        env_info=ep.info,
     )
     return c

@@ -1,23 +1,20 @@
-"""Reward functions: batched callables ``(prompts, completions) -> rewards``, sync or async.
+"""The worker-side names of the reward functions, kept for configs and code written before :mod:`asyncrl.rewards`.
 
-A reward function receives parallel lists (one entry per completion; a group's prompt repeats for
-each of its samples) and returns one value per completion: a float, or a dict with a ``"reward"``
-key plus named components (logged, not trained on). ``async def`` reward functions (e.g. calling a
-judge service) are awaited. Configs name them as ``"module:function"``.
-
-Built in: :func:`arithmetic_reward` for the embedded task (``workers.tasks``) and
-:func:`fake_reward` for the fake engine.
+``workers.rewards:arithmetic_reward`` and ``workers.rewards:fake_reward`` are the embedded task's and the fake
+engine's rewards in the old form ``(prompt items, Completion objects) -> [float | dict]``; new code names the
+built-ins (``reward.funcs: [arithmetic]``) or uses :mod:`asyncrl.rewards`, where reward functions have TRL's
+signature and come in weighted lists (:class:`asyncrl.rewards.RewardSet`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from asyncrl import rewards
 from workers.engines.base import Completion
 
 __all__ = ["RewardFn", "arithmetic_reward", "call_reward", "fake_reward", "load_reward", "split_reward"]
@@ -27,50 +24,25 @@ RewardFn = Callable[[Sequence[Any], Sequence[Completion]], Sequence[float | dict
 
 def fake_reward(prompts: Sequence[Any], completions: Sequence[Completion]) -> list[dict[str, float]]:
     """Deterministic reward for the fake engine: fraction of even token ids, plus a length component."""
-    out = []
-    for c in completions:
-        n = max(int(c.response_ids.numel()), 1)
-        even = float((c.response_ids % 2 == 0).sum()) / n
-        out.append({"reward": even, "even_fraction": even, "length": float(c.response_ids.numel())})
-    return out
+    return rewards.fake_reward([c.response_ids.tolist() for c in completions])
 
 
 def arithmetic_reward(prompts: Sequence[Any], completions: Sequence[Completion]) -> list[dict[str, float]]:
-    """The embedded task's reward: 1 for the exact answer, partial credit for a correct prefix.
+    """The embedded task's reward (:func:`asyncrl.rewards.arithmetic_reward`) on prompt items and Completions."""
+    return rewards.arithmetic_reward([c.text or "" for c in completions], [p["answer"] for p in prompts],
+                                     [c.finish_reason for c in completions])
 
-    ``reward = exact + 0.5 * (1 - exact) * prefix``, where ``prefix`` is the fraction of the answer's
-    characters the response starts with; ``stopped`` is 1 when the response ended by itself.
+
+def load_reward(spec: str) -> Callable[..., Any]:
+    """Imports ``"module:function"`` (or a built-in name of :data:`asyncrl.rewards.BUILTIN`)."""
+    return rewards.load_reward_func(spec)[1]
+
+
+def call_reward(fn: Callable[..., Any], prompts: Sequence[Any], completions: Sequence[Completion]) -> list[Any]:
+    """Calls one old-form reward function, sync or async, on one batch; checks it returned one value per completion.
+
+    A one-off helper: the worker scores with :class:`asyncrl.rewards.RewardSet`, which keeps one event loop.
     """
-    out = []
-    for prompt, c in zip(prompts, completions):
-        answer = str(prompt["answer"])
-        text = (c.text or "").strip()
-        exact = float(text == answer)
-        prefix = 0
-        while prefix < min(len(text), len(answer)) and text[prefix] == answer[prefix]:
-            prefix += 1
-        partial = prefix / len(answer)
-        out.append(
-            {
-                "reward": exact + 0.5 * (1 - exact) * partial,
-                "exact": exact,
-                "prefix": partial,
-                "stopped": float(c.finish_reason == "stop"),
-            }
-        )
-    return out
-
-
-def load_reward(spec: str) -> RewardFn:
-    """Imports ``"module:function"``."""
-    module, _, name = spec.partition(":")
-    if not name:
-        raise ValueError(f"reward {spec!r} must be 'module:function'")
-    return getattr(importlib.import_module(module), name)
-
-
-def call_reward(fn: RewardFn, prompts: Sequence[Any], completions: Sequence[Completion]) -> list[Any]:
-    """Calls a sync or async reward function; checks it returned one value per completion."""
     values = fn(prompts, completions)
     if inspect.isawaitable(values):
         values = asyncio.run(_await(values))

@@ -17,8 +17,10 @@ incarnation's whatever their version (the broadcaster is the authority), and a l
 incarnation the engine does not hold waits up to ``weights.catch_up_s`` for that incarnation's weights
 before generating (the pool refuses rollouts off its timeline either way). A lease the worker cannot
 finish (engine or reward error) is reported as FAILED with the error text; the worker carries on.
-When a batch of several leases fails, each lease is generated again on its own, so one bad prompt
-does not fail its batch-mates (the pool counts failures per prompt and poisons a prompt that keeps
+Rewards are scored once per batch (:class:`asyncrl.rewards.RewardSet`: sync functions over the whole batch,
+async ones per group, concurrently on the worker's one event loop); a reward function that fails on a group
+fails only that group's lease. When the engine fails a batch of several leases, each lease is generated again
+on its own, so one bad prompt does not fail its batch-mates (the pool counts failures per prompt and poisons a prompt that keeps
 failing, :mod:`asyncrl.poison`). Repeated warnings are throttled (:class:`asyncrl._logging.Throttle`). It exits when every pool says SHUTDOWN, when every pool goes silent for
 ``transport.peer_timeout_s``, or when its parent process (the local launcher) is gone.
 """
@@ -40,7 +42,9 @@ from workers.engines.base import Completion, Engine, GenerationRequest, build_en
 from workers import faults
 from workers.environments import Environment, load_environment, run_episodes
 from workers.partial import generate_interruptible
-from workers.rewards import RewardFn, call_reward, load_reward, split_reward
+from asyncrl.rewards import RewardError, RewardSet
+from workers.environments import env_reward
+from workers.rewards import RewardFn
 
 __all__ = ["RolloutWorker", "run_worker"]
 
@@ -53,7 +57,7 @@ class RolloutWorker:
     Args:
         worker_id: unique name, stamped on every rollout.
         engine: the generation backend.
-        reward_fn: batched reward function.
+        reward_fn: the reward functions (:class:`~asyncrl.rewards.RewardSet`), or one batched reward function.
         sender: the connected rollout channel.
         max_batch: most leases per engine call.
         parent_pid: exit when this process is gone (set by the local launcher).
@@ -63,7 +67,7 @@ class RolloutWorker:
         self,
         worker_id: str,
         engine: Engine,
-        reward_fn: RewardFn,
+        reward_fn: RewardSet | RewardFn,
         sender: RolloutSender,
         *,
         max_batch: int,
@@ -76,7 +80,9 @@ class RolloutWorker:
     ):
         self.worker_id = worker_id
         self.engine = engine
-        self.reward_fn = reward_fn
+        self.rewards = reward_fn if isinstance(reward_fn, RewardSet) else RewardSet([reward_fn])
+        if environment is not None:  # the episode's summed step rewards replace the reward functions
+            self.rewards = RewardSet([env_reward], names=["env"])
         self.sender = sender
         self.max_batch = max_batch
         self.parent_pid = parent_pid
@@ -194,7 +200,7 @@ class RolloutWorker:
             if self.engine.incarnation != incarnation:  # weights of another trainer incarnation applied mid-batch
                 raise RuntimeError(f"trainer incarnation changed from {incarnation!r} to {self.engine.incarnation!r} "
                                    "during generation (the trainer was resumed); the batch is regenerated")
-            groups = [self._group(lease, cs, t1 - t0) for lease, cs in zip(leases, completions)]
+            groups = self._groups(leases, completions, t1 - t0)
         except Exception as e:  # deliberate fault tolerance: report the failure, keep serving
             failure = e
         finally:
@@ -203,6 +209,9 @@ class RolloutWorker:
             self._failed(leases, failure)
             return
         for lease, group in zip(leases, groups):
+            if isinstance(group, RewardError):  # this group's reward failed: its lease alone, nothing regenerated
+                self._lease_failed(lease, group)
+                continue
             self.sender.send_group(lease, group)
             self.groups_sent += 1
             self.rollouts_sent += len(group.rollouts)
@@ -218,23 +227,31 @@ class RolloutWorker:
             for lease in leases:
                 self.step([lease])
             return
-        lease = leases[0]
+        self._lease_failed(leases[0], error)
+
+    def _lease_failed(self, lease: ReceivedLease, error: Exception) -> None:
+        """Reports one lease FAILED with the error's text (the pool counts it against the prompt)."""
+        text = "".join(traceback.format_exception_only(type(error), error)).strip()
         self.lease_failures += 1
         self._throttle.warning("lease_failed", "worker %s: lease %d (prompt %d of epoch %d) failed",
                                self.worker_id, lease.lease_id, lease.prompt_index, lease.epoch, exc_info=error)
         self.sender.send_failed(lease, text)
 
-    def _group(self, lease: ReceivedLease, completions: list[Completion], generate_s: float) -> Group:
+    def _groups(self, leases: Sequence[ReceivedLease], completions: list[list[Completion]],
+                generate_s: float) -> list[Group | RewardError]:
+        """Scores the batch in one call and builds each lease's group (or keeps the error that fails it)."""
         t0 = time.perf_counter()
-        if self.environment is not None:
-            values = [float(c.env_reward or 0.0) for c in completions]
-        else:
-            values = call_reward(self.reward_fn, [lease.prompt] * len(completions), completions)
-        reward_s = time.perf_counter() - t0
+        decode = self.engine.decode if self.environment is None else None
+        scores = self.rewards.score([(lease.prompt, cs) for lease, cs in zip(leases, completions)], decode=decode)
+        reward_s = (time.perf_counter() - t0) / max(len(leases), 1)
+        return [s if isinstance(s, RewardError) else self._group(lease, cs, s, generate_s, reward_s)
+                for lease, cs, s in zip(leases, completions, scores)]
+
+    def _group(self, lease: ReceivedLease, completions: list[Completion], scores: list[tuple[float, dict]],
+               generate_s: float, reward_s: float) -> Group:
         rollouts = []
         group_id = make_group_id(lease.epoch, lease.prompt_index)
-        for sample, (c, value) in enumerate(zip(completions, values)):
-            reward, components = split_reward(value)
+        for sample, (c, (reward, components)) in enumerate(zip(completions, scores)):
             if faults.affects_group(self.fault, group_id, lease.lease_id, c.policy_version):  # injected fault
                 faults.corrupt_completion(self.fault, c)
                 reward = faults.corrupt_reward(self.fault, reward)
@@ -271,7 +288,7 @@ def run_worker(
 ) -> None:
     """Builds the engine and reward, connects to the pools and serves until shut down."""
     engine = build_engine(config.engine)
-    reward_fn = load_reward(config.reward)
+    reward_fn = RewardSet.from_config(config.reward)
     environment = load_environment(config.environment) if config.environment else None
     receiver = None
     if config.weights.type != "none":
@@ -311,4 +328,5 @@ def run_worker(
         sender.close()
         if receiver is not None:
             receiver.close()
+        worker.rewards.close()
         engine.close()

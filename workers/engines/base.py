@@ -45,6 +45,8 @@ class Completion:
     """The decoded response (engines with a tokenizer), for reward functions and environments."""
     env_reward: float | None = None
     """Multi-turn episodes: the summed environment reward (used instead of the reward function)."""
+    env_info: dict[str, float] = field(default_factory=dict)
+    """Multi-turn episodes: the last step's ``info`` (logged as reward components)."""
 
 
 def prompt_token_ids(prompt: Any, tokenizer: Any | None = None) -> torch.Tensor:
