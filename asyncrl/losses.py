@@ -1,4 +1,11 @@
-"""GRPO advantages, the clipped policy loss with off-policy corrections, and train/inference mismatch metrics.
+"""The GRPO family as TRL 1.16 defines it, with off-policy corrections, user losses and mismatch metrics.
+
+``compute_loss(batch, logprobs, config=...)`` is what a training step calls: advantages
+(:func:`compute_advantages`: ``scale_rewards`` group / batch / none), then :func:`policy_loss` (``loss_type``
+grpo / bnpo / dr_grpo / dapo, ``epsilon`` / ``epsilon_high`` clipping, the k3 KL to a reference model with
+``beta``, ``mask_truncated_completions``) or the user's ``loss.fn``. The names and their meanings are TRL's
+(``GRPOConfig`` and ``GRPOTrainer._compute_loss``); the old names ``clip_low``, ``clip_high``, ``kl_coef`` and
+``aggregation`` still work (:data:`RENAMED`).
 
 All functions take tensors laid out like ``datapipes.collate.collate_groups``: ``[B, L]`` per-token values
 aligned to ``input_ids`` and a boolean ``loss_mask`` that is True at generated response tokens. Values
@@ -11,18 +18,34 @@ Three log-probabilities meet in :func:`policy_loss`:
 * ``old_logprobs`` -- the trainer's policy before this update, the *proximal* policy of decoupled PPO
   (``logprobs.detach()`` when a batch gets a single optimizer step);
 * ``rollout_logprobs`` -- the *behaviour* policy as the engine sampled it (a stale policy version and a
-  different numeric stack: the train/inference mismatch that ``correction`` compensates).
+  different numeric stack: the train/inference mismatch that ``correction`` compensates);
+
+and, with ``beta > 0``, ``ref_logprobs`` of the frozen reference policy (:mod:`asyncrl.reference`).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import inspect
 import math
 from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 
-__all__ = ["LossConfig", "group_advantages", "mismatch_metrics", "policy_loss"]
+from asyncrl.rewards import UNSCORED
+
+__all__ = [
+    "LossConfig",
+    "compute_advantages",
+    "compute_loss",
+    "group_advantages",
+    "load_loss_fn",
+    "mismatch_metrics",
+    "policy_loss",
+]
 
 MISMATCH_RATIO_BOUNDS = (1.5, 2.0, 5.0, 10.0)
 """``mismatch_metrics`` reports the fraction of IS ratios outside ``[1/c, c]`` for each ``c`` here."""
@@ -32,6 +55,9 @@ def group_advantages(
     rewards: torch.Tensor, group_index: torch.Tensor, *, normalize_std: bool = True, eps: float = 1e-6
 ) -> torch.Tensor:
     """GRPO advantages: each reward minus its group's mean, optionally divided by the group's std.
+
+    asyncrl's earlier form (population std, ``eps`` 1e-6); :func:`compute_advantages` is TRL's, which the
+    recipe uses.
 
     Args:
         rewards: ``[B]`` scalar rewards.
@@ -60,19 +86,43 @@ def group_advantages(
     return centered / (var.sqrt()[inverse] + eps)
 
 
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
+RENAMED = {"clip_low": "epsilon", "clip_high": "epsilon_high", "kl_coef": "beta", "aggregation": "loss_type"}
+"""Old ``loss.*`` names, still accepted, and the TRL names that replaced them."""
+AGGREGATION_LOSS_TYPE = {"token": "bnpo", "sequence": "grpo"}
+"""What the old ``loss.aggregation`` values mean as a ``loss_type``."""
+
+
 @dataclass(kw_only=True, slots=True)
 class LossConfig:
-    """The clipped policy-gradient loss and how it corrects for off-policy rollouts."""
+    """The GRPO family (TRL 1.16's names and meanings) and the off-policy corrections of asynchronous rollouts."""
 
-    clip_low: float = 0.2
-    """The ratio is clipped below at ``1 - clip_low``; in [0, 1)."""
-    clip_high: float = 0.2
-    """The ratio is clipped above at ``1 + clip_high``; >= 0 (DAPO's clip-higher uses e.g. 0.28)."""
-    kl_coef: float = 0.0
-    """Weight of the k3 KL estimator to a reference policy; > 0 needs ``ref_logprobs``."""
-    aggregation: Literal["token", "sequence"] = "token"
-    """``token``: mean over every valid token of the batch (long responses weigh more); ``sequence``: mean
-    over sequences of each sequence's token mean (sequences with no valid token are left out)."""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    """How per-token losses become one (TRL's ``loss_type``): ``grpo``: mean over sequences of each sequence's
+    token mean (length-biased); ``bnpo``: sum over this rank's valid tokens / their number; ``dr_grpo``: sum /
+    (sequences x ``max_completion_length``), Dr. GRPO's constant; ``dapo``: sum / (valid tokens of all ranks /
+    ranks), the same normaliser on every rank (= ``bnpo`` with one rank)."""
+    scale_rewards: Literal["group", "batch", "none"] | bool = "group"
+    """Advantages are ``reward - group mean``, divided by (TRL's ``scale_rewards``) ``group``: the group's std;
+    ``batch``: the std of the whole batch (all ranks); ``none``: nothing (Dr. GRPO). Stds are unbiased, plus
+    1e-4, as TRL; ``True``/``False`` mean ``group``/``none``."""
+    epsilon: float = 0.2
+    """The ratio is clipped below at ``1 - epsilon``; in [0, 1)."""
+    epsilon_high: float | None = None
+    """The ratio is clipped above at ``1 + epsilon_high``; None: ``epsilon`` (DAPO's clip-higher uses 0.28)."""
+    beta: float = 0.0
+    """Weight of the k3 KL estimator ``exp(ref - logp) - (ref - logp) - 1`` to the reference policy (a frozen
+    copy of the initial policy; under LoRA the base with adapters disabled), added per token before aggregation
+    as TRL does; > 0 builds the reference model."""
+    mask_truncated_completions: bool = False
+    """Leave completions that hit the length limit (``finish_reason == "length"``) out of the loss; they still
+    count in their group's advantages (TRL)."""
+    max_completion_length: int | None = None
+    """``dr_grpo``'s constant; None: the engine's ``max_new_tokens`` (the recipe fills it in)."""
+    fn: str | None = None
+    """``module:function`` of a user loss (:func:`compute_loss` says what it receives and returns); it replaces
+    the policy loss above and still goes through the update guard, checkpoints and the debugger."""
     correction: Literal["none", "tis", "tis_seq", "mis", "decoupled"] = "tis"
     """Train/inference mismatch correction, a detached weight ``w`` on each token's policy term, with
     ``rho = exp(old_logprobs - rollout_logprobs)``: ``none``: 1; ``tis``: ``min(rho, is_cap)`` per token;
@@ -89,14 +139,33 @@ class LossConfig:
     max_version_gap: int | None = None
     """Tokens generated more than this many policy versions before the trainer's are masked out (``None``:
     keep all). Needs ``token_versions`` and ``trainer_version``."""
+    clip_low: float | None = None
+    """Old name of ``epsilon`` (still accepted)."""
+    clip_high: float | None = None
+    """Old name of ``epsilon_high`` (still accepted)."""
+    kl_coef: float | None = None
+    """Old name of ``beta`` (still accepted; before it, a value > 0 failed at step 1 for want of a reference)."""
+    aggregation: Literal["token", "sequence"] | None = None
+    """Old form of ``loss_type``: ``token`` is ``bnpo``, ``sequence`` is ``grpo`` (still accepted)."""
 
     def __post_init__(self):
-        if not 0 <= self.clip_low < 1 or self.clip_high < 0:
-            raise ValueError(f"need 0 <= {self.clip_low=} < 1 and {self.clip_high=} >= 0")
-        if self.kl_coef < 0:
-            raise ValueError(f"{self.kl_coef=} must be >= 0")
-        if self.aggregation not in ("token", "sequence"):
-            raise ValueError(f"loss.aggregation={self.aggregation!r} must be 'token' or 'sequence'")
+        self._rename()
+        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        if not 0 <= self.epsilon < 1 or self.epsilon_high < 0:
+            raise ValueError(f"need 0 <= loss.epsilon={self.epsilon} < 1 and loss.epsilon_high={self.epsilon_high} "
+                             ">= 0 (old names: clip_low, clip_high)")
+        if self.beta < 0:
+            raise ValueError(f"loss.beta={self.beta} must be >= 0 (old name: kl_coef)")
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss.loss_type={self.loss_type!r} must be one of {LOSS_TYPES}")
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ValueError(f"loss.scale_rewards={self.scale_rewards!r} must be one of {SCALE_REWARDS} (or a bool)")
+        if self.max_completion_length is not None and self.max_completion_length < 1:
+            raise ValueError(f"loss.max_completion_length={self.max_completion_length} must be >= 1 (or None)")
+        if self.fn is not None and ":" not in self.fn:
+            raise ValueError(f"loss.fn={self.fn!r} must be 'module:function'")
         if self.correction not in ("none", "tis", "tis_seq", "mis", "decoupled"):
             raise ValueError(
                 f"loss.correction={self.correction!r} must be one of 'none', 'tis', 'tis_seq', 'mis', 'decoupled'"
@@ -108,15 +177,103 @@ class LossConfig:
         if self.max_version_gap is not None and self.max_version_gap < 0:
             raise ValueError(f"{self.max_version_gap=} must be >= 0 or None")
 
+    def _rename(self) -> None:
+        """Moves the old names' values to the new names (and clears them, so a saved config has one of each)."""
+        if self.aggregation is not None:
+            if self.aggregation not in AGGREGATION_LOSS_TYPE:
+                raise ValueError(f"loss.aggregation={self.aggregation!r} (the old loss_type) must be 'token' or "
+                                 f"'sequence'; set loss.loss_type to one of {LOSS_TYPES} instead")
+            self.loss_type, self.aggregation = AGGREGATION_LOSS_TYPE[self.aggregation], None
+        for old, new in (("clip_low", "epsilon"), ("clip_high", "epsilon_high"), ("kl_coef", "beta")):
+            value = getattr(self, old)
+            if value is not None:
+                setattr(self, new, value)
+                setattr(self, old, None)
 
-def _aggregate(values: torch.Tensor, valid: torch.Tensor, mode: str) -> torch.Tensor:
-    """Mean of ``values`` over ``valid`` per ``mode``; 0 (still attached to the graph) when nothing is valid."""
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """``(1 - epsilon, 1 + epsilon_high)``."""
+        return 1 - self.epsilon, 1 + float(self.epsilon_high)
+
+
+def compute_advantages(
+    rewards: torch.Tensor,
+    group_index: torch.Tensor,
+    *,
+    scale_rewards: str = "group",
+    scored: torch.Tensor | None = None,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """GRPO advantages exactly as TRL 1.16 computes them (``sum_then_normalize``).
+
+    ``A = r - mean_group(r)``, divided by ``std + eps`` where ``std`` is the unbiased (Bessel) std of the
+    group (``scale_rewards="group"``) or of the whole batch over all ranks (``"batch"``); not divided for
+    ``"none"``. Rows that are not ``scored`` (no reward function scored them) are left out of the means and stds
+    and get advantage 0, as does any row whose std is undefined (a group of one with scaling on).
+
+    Args:
+        rewards: ``[B]`` rewards.
+        group_index: ``[B]`` group of each row (any ids).
+        scale_rewards: ``"group"``, ``"batch"`` or ``"none"``.
+        scored: ``[B]`` bool, False for rows no reward function scored; None: all scored.
+        all_reduce: sums a tensor over the data-parallel ranks in place and returns it (``"batch"`` std over
+            all ranks); None: this batch only.
+        eps: added to the std.
+
+    Returns:
+        float32 ``[B]`` advantages.
+    """
+    if rewards.dim() != 1 or rewards.shape != group_index.shape:
+        raise ValueError(f"need 1-D rewards and group_index of one shape, got {rewards.shape=} {group_index.shape=}")
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"{scale_rewards=} must be one of {SCALE_REWARDS}")
+    values = rewards.float()
+    keep = torch.ones_like(values, dtype=torch.bool) if scored is None else scored.to(values.device, torch.bool)
+    x = torch.where(keep, values, torch.zeros_like(values))
+    _, inverse, _ = torch.unique(group_index, return_inverse=True, return_counts=True)
+    groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    count = torch.zeros(groups, device=values.device).index_add_(0, inverse, keep.float())
+    mean = torch.zeros(groups, device=values.device).index_add_(0, inverse, x) / count
+    centered = torch.where(keep, values - mean[inverse], torch.zeros_like(values))
+    if scale_rewards == "none":
+        advantages = centered
+    elif scale_rewards == "group":
+        sq = torch.zeros(groups, device=values.device).index_add_(0, inverse, centered.square())
+        std = (sq / (count - 1)).sqrt()  # NaN (0/0) or inf for groups of one: advantage 0 below, as TRL's nanstd
+        advantages = centered / (torch.where(count > 1, std, torch.full_like(std, math.nan))[inverse] + eps)
+    else:
+        totals = torch.stack([keep.float().sum(), x.sum(), x.square().sum()])
+        totals = all_reduce(totals) if all_reduce is not None else totals
+        n, total, total_sq = totals.unbind()
+        var = (total_sq - total.square() / n) / (n - 1)
+        std = var.clamp(min=0).sqrt() if n > 1 else torch.full_like(var, math.nan)
+        advantages = centered / (std + eps)
+    return torch.where(keep, advantages, torch.zeros_like(advantages)).nan_to_num(nan=0.0)
+
+
+def _aggregate(
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    config: LossConfig,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Per-token ``values`` over ``valid`` as ``config.loss_type`` says (TRL's ``_compute_loss``); 0, still
+    attached to the graph, when nothing is valid."""
     values = torch.where(valid, values, torch.zeros_like(values))
-    if mode == "token":
-        return values.sum() / valid.sum().clamp(min=1)
-    counts = valid.sum(-1)
-    seq_means = values.sum(-1) / counts.clamp(min=1)
-    return seq_means.sum() / (counts > 0).sum().clamp(min=1)
+    total = values.sum()
+    if config.loss_type == "grpo":  # every row counts in the mean, a row without valid tokens as 0 (TRL)
+        return (values.sum(-1) / valid.sum(-1).clamp(min=1)).mean() if values.shape[0] else total
+    if config.loss_type == "dr_grpo":
+        if config.max_completion_length is None:
+            raise ValueError("loss.loss_type='dr_grpo' needs loss.max_completion_length (the recipe sets it to the "
+                             "engine's max_new_tokens)")
+        return total / (values.shape[0] * config.max_completion_length)
+    count = valid.sum().float()
+    if config.loss_type == "dapo" and all_reduce is not None:  # valid tokens of all ranks / ranks
+        totals = all_reduce(torch.stack([count, torch.ones_like(count)]))
+        count = totals[0] / totals[1]
+    return total / count.clamp(min=1)
 
 
 def _correction_weights(
@@ -189,14 +346,17 @@ def policy_loss(
     token_versions: torch.Tensor | None = None,
     trainer_version: int | None = None,
     ref_logprobs: torch.Tensor | None = None,
+    truncated: torch.Tensor | None = None,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip loss with an off-policy correction, version-gap masking and an optional KL penalty.
 
-    Per valid token: ``w * -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A) + kl_coef * k3`` with
+    Per valid token: ``w * -min(r * A, clip(r, 1 - epsilon, 1 + epsilon_high) * A) + beta * k3`` with
     ``r = exp(logprobs - old_logprobs)``, ``w`` from ``config.correction`` (detached) and
-    ``k3 = exp(ref - logprobs) - (ref - logprobs) - 1``; then aggregated per ``config.aggregation``.
-    A token is valid if it is in ``loss_mask``, all its logprobs are finite, the correction keeps it and
-    its version gap is within ``config.max_version_gap``. Only ``logprobs`` is differentiated.
+    ``k3 = exp(ref - logprobs) - (ref - logprobs) - 1``; then aggregated per ``config.loss_type``.
+    A token is valid if it is in ``loss_mask``, all its logprobs are finite, its row is not ``truncated``
+    (with ``mask_truncated_completions``), the correction keeps it and its version gap is within
+    ``config.max_version_gap``. Only ``logprobs`` is differentiated.
 
     Args:
         logprobs: ``[B, L]`` current policy, with grad.
@@ -207,22 +367,26 @@ def policy_loss(
         config: the loss settings.
         token_versions: ``[B, L]`` policy version that generated each token (needed for ``max_version_gap``).
         trainer_version: the trainer's current policy version (needed for ``max_version_gap``).
-        ref_logprobs: ``[B, L]`` reference policy (needed when ``config.kl_coef > 0``).
+        ref_logprobs: ``[B, L]`` reference policy (needed when ``config.beta > 0``).
+        truncated: ``[B]`` bool, rows that hit the length limit (needed for ``mask_truncated_completions``).
+        all_reduce: sums a tensor over the data-parallel ranks in place and returns it (``dapo``'s normaliser
+            counts every rank's tokens); None: this rank only.
 
     Returns:
         ``(loss, metrics)``: a scalar loss (0 with a graph to ``logprobs`` when no token is valid) and python
-        floats ``loss``, ``pg_loss``, ``kl`` (with ``ref_logprobs``), ``clip_fraction``, ``ratio_mean``,
+        floats ``loss``, ``pg_loss``, ``kl`` (token mean, with ``ref_logprobs``), ``clip_fraction``,
+        TRL's ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``, ``ratio_mean``,
         ``is_weight_mean``, ``correction_masked_fraction``, ``version_masked_fraction``,
-        ``nonfinite_fraction`` and ``valid_tokens``. Means are over valid tokens; masked fractions over
-        finite tokens of ``loss_mask``.
+        ``truncated_masked_fraction``, ``nonfinite_fraction`` and ``valid_tokens``. Means are over valid
+        tokens; masked fractions over finite tokens of ``loss_mask``.
 
     Raises:
         ValueError: on mismatched shapes, or a missing input that ``config`` needs.
     """
     others = {"old_logprobs": old_logprobs, "rollout_logprobs": rollout_logprobs, "loss_mask": loss_mask}
     _check_shapes(logprobs, advantages, **others, ref_logprobs=ref_logprobs)
-    if config.kl_coef > 0 and ref_logprobs is None:
-        raise ValueError(f"loss.kl_coef={config.kl_coef} > 0 needs ref_logprobs")
+    if config.beta > 0 and ref_logprobs is None:
+        raise ValueError(f"loss.beta={config.beta} > 0 needs ref_logprobs (the reference model's)")
     mask = loss_mask.to(device=logprobs.device, dtype=torch.bool)
     inputs = [logprobs.float(), old_logprobs.detach().float(), rollout_logprobs.detach().float()]
     if ref_logprobs is not None:
@@ -235,30 +399,43 @@ def policy_loss(
 
     weights, correction_keep = _correction_weights(old - rollout, base, config)
     version_keep = _version_keep(base, config, token_versions, trainer_version)
-    valid = base & correction_keep & version_keep
+    truncated_keep = torch.ones_like(base)
+    if config.mask_truncated_completions:
+        if truncated is None or truncated.shape != base.shape[:1]:
+            raise ValueError(f"loss.mask_truncated_completions needs truncated of shape {tuple(base.shape[:1])}, got "
+                             f"{None if truncated is None else tuple(truncated.shape)}")
+        truncated_keep = ~truncated.to(device=base.device, dtype=torch.bool)[:, None].expand_as(base)
+    valid = base & correction_keep & version_keep & truncated_keep
 
     adv = advantages.detach().float().to(lp.device)
     adv = adv[:, None].expand_as(lp) if adv.dim() == 1 else adv
     ratio = (lp - old).exp()
-    clipped_ratio = ratio.clamp(1 - config.clip_low, 1 + config.clip_high)
+    low, high = config.clip_range
+    clipped_ratio = ratio.clamp(low, high)
     unclipped_loss, clipped_loss = -ratio * adv, -clipped_ratio * adv
     pg_tokens = torch.maximum(unclipped_loss, clipped_loss) * weights
-    pg_loss = _aggregate(pg_tokens, valid, config.aggregation)
-    loss = pg_loss
+    pg_loss = _aggregate(pg_tokens, valid, config, all_reduce)
     stats = {"pg_loss": pg_loss.detach()}
+    n_valid, n_base, n_mask = valid.sum().clamp(min=1), base.sum().clamp(min=1), mask.sum().clamp(min=1)
     if ref:
         delta = ref[0] - lp
-        kl = _aggregate(delta.exp() - delta - 1, valid, config.aggregation)
-        loss = loss + config.kl_coef * kl
-        stats["kl"] = kl.detach()
+        k3 = delta.exp() - delta - 1
+        loss = _aggregate(pg_tokens + config.beta * k3, valid, config, all_reduce)  # TRL: per token, then aggregated
+        stats["kl"] = torch.where(valid, k3.detach(), zero).sum() / n_valid
+    else:
+        loss = pg_loss
     stats["loss"] = loss.detach()
 
-    n_valid, n_base, n_mask = valid.sum().clamp(min=1), base.sum().clamp(min=1), mask.sum().clamp(min=1)
+    low_clipped, high_clipped = valid & (ratio < low) & (adv < 0), valid & (ratio > high) & (adv > 0)
     stats["clip_fraction"] = (valid & (clipped_loss > unclipped_loss)).sum() / n_valid
+    stats["clip_ratio/low_mean"] = low_clipped.sum() / n_valid
+    stats["clip_ratio/high_mean"] = high_clipped.sum() / n_valid
+    stats["clip_ratio/region_mean"] = (low_clipped | high_clipped).sum() / n_valid
     stats["ratio_mean"] = torch.where(valid, ratio.detach(), zero).sum() / n_valid
     stats["is_weight_mean"] = torch.where(valid, weights, zero).sum() / n_valid
     stats["correction_masked_fraction"] = (base & ~correction_keep).sum() / n_base
     stats["version_masked_fraction"] = (base & ~version_keep).sum() / n_base
+    stats["truncated_masked_fraction"] = (base & ~truncated_keep).sum() / n_base
     stats["nonfinite_fraction"] = (mask & ~finite).sum() / n_mask
     stats["valid_tokens"] = valid.sum()
     # One device->host copy for all metrics instead of one sync per .item().
@@ -322,3 +499,92 @@ def mismatch_metrics(
     stats["num_tokens"] = valid.sum()
     values = torch.stack([v.float() for v in stats.values()]).tolist()
     return dict(zip(stats, values))
+
+
+@functools.cache
+def load_loss_fn(spec: str) -> Callable[..., Any]:
+    """Imports a user loss, ``"module:function"`` (``loss.fn``).
+
+    Raises:
+        ValueError: for a spec without ``:`` or an attribute that is not callable.
+    """
+    module, _, name = spec.partition(":")
+    fn = getattr(importlib.import_module(module), name, None) if name else None
+    if not callable(fn):
+        raise ValueError(f"loss.fn={spec!r} must name a function as 'module:function'")
+    return fn
+
+
+def truncated_rows(batch: dict[str, Any]) -> torch.Tensor:
+    """``[B]`` bool: the rows whose completion hit the length limit (``finish_reason == "length"``)."""
+    return torch.tensor([reason == "length" for reason in batch["finish_reasons"]], dtype=torch.bool)
+
+
+def scored_rows(batch: dict[str, Any]) -> torch.Tensor | None:
+    """``[B]`` bool: False for rows no reward function scored (component ``unscored``); None if all were."""
+    unscored = batch.get("reward_components", {}).get(UNSCORED)
+    return None if unscored is None else ~(unscored.nan_to_num(0.0) > 0)
+
+
+def compute_loss(
+    batch: dict[str, Any],
+    logprobs: torch.Tensor,
+    *,
+    config: LossConfig,
+    trainer_version: int | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+    """One step's loss from a collated batch (``datapipes.collate``) and the trainer's logprobs of it.
+
+    Advantages come from :func:`compute_advantages` (``config.scale_rewards``), then either
+    :func:`policy_loss` (``config.loss_type``, clipping, corrections, KL) or the user's ``config.fn``, called as::
+
+        fn(batch, logprobs, *, advantages, old_logprobs, ref_logprobs, config, trainer_version)
+            -> loss | (loss, {name: float})
+
+    with only the keywords its signature names (all of them with ``**kwargs``): ``batch`` with its tensors on
+    ``logprobs``' device, ``logprobs`` ``[B, L]`` with grad (aligned to ``input_ids``; ``-inf`` possible outside
+    ``batch["loss_mask"]``), ``old_logprobs`` its detached copy (one optimizer step per batch), ``ref_logprobs``
+    the reference model's (None unless ``config.beta > 0``). Whatever it returns goes through the update guard
+    like the built-in loss: a NaN loss is rejected and the parameters stay as they were.
+
+    Returns:
+        ``(loss, metrics, advantages)``; metrics as :func:`policy_loss`'s, or the user's plus ``loss`` (and
+        ``kl``, the token mean of k3, when there are ``ref_logprobs``).
+
+    Raises:
+        TypeError: when the user's function returns something other than a scalar tensor (and a dict).
+    """
+    device = logprobs.device
+    advantages = compute_advantages(batch["rewards"].to(device), batch["group_index"].to(device),
+                                    scale_rewards=str(config.scale_rewards), scored=scored_rows(batch),
+                                    all_reduce=all_reduce)
+    mask = batch["loss_mask"].to(device)
+    if config.fn is None:
+        loss, metrics = policy_loss(
+            logprobs, logprobs.detach(), batch["rollout_logprobs"].to(device), advantages, mask, config=config,
+            token_versions=batch["token_versions"].to(device), trainer_version=trainer_version,
+            ref_logprobs=ref_logprobs, all_reduce=all_reduce,
+            truncated=truncated_rows(batch) if config.mask_truncated_completions else None,
+        )
+        return loss, metrics, advantages
+    fn = load_loss_fn(config.fn)
+    offered = {"advantages": advantages, "old_logprobs": logprobs.detach(), "ref_logprobs": ref_logprobs,
+               "config": config, "trainer_version": trainer_version}
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        offered = {k: v for k, v in offered.items() if k in params}
+    on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    out = fn(on_device, logprobs, **offered)
+    loss, user_metrics = out if isinstance(out, tuple) else (out, {})
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not isinstance(user_metrics, dict):
+        raise TypeError(f"loss.fn={config.fn!r} must return a scalar tensor or (scalar tensor, dict of floats), got "
+                        f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))} and {type(user_metrics).__name__}")
+    metrics = {k: float(v) for k, v in user_metrics.items()}
+    metrics["loss"] = float(loss.detach())
+    if ref_logprobs is not None and "kl" not in metrics:
+        valid = mask.bool() & logprobs.isfinite() & ref_logprobs.isfinite()
+        delta = torch.where(valid, ref_logprobs - logprobs.detach(), torch.zeros((), device=device))
+        metrics["kl"] = float((delta.exp() - delta - 1).sum() / valid.sum().clamp(min=1))
+    return loss.reshape(()), metrics, advantages

@@ -213,7 +213,7 @@ def test_k3_kl_term():
     close(m["pg_loss"], 0.0)
     # d/dlp (e^(ref-lp) - (ref-lp) - 1) = 1 - e^(ref-lp)
     torch.testing.assert_close(grad, 0.1 * (1 - delta.exp()) / 8)
-    with pytest.raises(ValueError, match="kl_coef=0.1 > 0 needs ref_logprobs"):
+    with pytest.raises(ValueError, match="beta=0.1 > 0 needs ref_logprobs"):
         run(ZERO, ZERO, ZERO, torch.zeros(2), cfg=cfg)
 
 
@@ -224,10 +224,10 @@ def test_token_vs_sequence_aggregation():
     seq, _, _ = run(ZERO, ZERO, ZERO, adv, mask, cfg={"correction": "none", "aggregation": "sequence"})
     close(token, -(4 * 1 + 2 * 4) / 6)  # -2
     close(seq, -(1 + 4) / 2)  # -2.5
-    # a row with no valid token is left out of the sequence mean
+    # a row with no valid token counts as 0 in the sequence mean (TRL's grpo: mean over all rows)
     empty_row = torch.tensor([[True] * 4, [False] * 4])
     seq, _, _ = run(ZERO, ZERO, ZERO, adv, empty_row, cfg={"correction": "none", "aggregation": "sequence"})
-    close(seq, -1.0)
+    close(seq, -1.0 / 2)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

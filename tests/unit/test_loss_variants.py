@@ -1,0 +1,241 @@
+"""The GRPO family of asyncrl.losses against hand computations on one fixed batch, and against TRL 1.16's own
+``GRPOTrainer._compute_loss`` on the same numbers; user losses (``loss.fn``) and the old config names."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from asyncrl.losses import LossConfig, compute_advantages, compute_loss, policy_loss
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the fixed batch: 2 groups of 2 rows, 3 positions, response lengths 3, 1, 2, 1
+#
+#   rewards  [1, 0 | 3, 1]     group means 0.5 and 2
+#   mask     [[1 1 1], [1 0 0], [1 1 0], [1 0 0]]   -> 7 valid tokens
+
+REWARDS = torch.tensor([1.0, 0.0, 3.0, 1.0])
+GROUPS = torch.tensor([0, 0, 1, 1])
+MASK = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+LP = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -9.0, -9.0], [-0.7, -1.2, -9.0], [-2.0, -9.0, -9.0]])
+
+
+def close(actual, expected: float) -> None:
+    assert float(torch.as_tensor(actual).detach()) == pytest.approx(expected, rel=1e-5, abs=1e-7)
+
+
+def test_advantages_by_hand_for_each_scale_rewards():
+    # none: r - group mean
+    none = compute_advantages(REWARDS, GROUPS, scale_rewards="none")
+    torch.testing.assert_close(none, torch.tensor([0.5, -0.5, 1.0, -1.0]))
+    # group: / (unbiased group std + 1e-4); group 0: sqrt((0.25 + 0.25) / 1) = sqrt(0.5); group 1: sqrt(2)
+    group = compute_advantages(REWARDS, GROUPS, scale_rewards="group")
+    a0, a1 = 0.5 / (math.sqrt(0.5) + 1e-4), 1.0 / (math.sqrt(2) + 1e-4)
+    torch.testing.assert_close(group, torch.tensor([a0, -a0, a1, -a1]))
+    # batch: / (unbiased std of all four rewards + 1e-4): mean 1.25, squares .0625 + 1.5625 + 3.0625 + .0625 = 4.75
+    batch = compute_advantages(REWARDS, GROUPS, scale_rewards="batch")
+    std = math.sqrt(4.75 / 3)
+    torch.testing.assert_close(batch, torch.tensor([0.5, -0.5, 1.0, -1.0]) / (std + 1e-4))
+    # batch over two ranks: all_reduce sums (n, sum, sum of squares); the other rank holds 4 rewards [1, 1, 1, 1]
+    other = torch.tensor([4.0, 4.0, 4.0])
+    two = compute_advantages(REWARDS, GROUPS, scale_rewards="batch", all_reduce=lambda t: t + other)
+    # all 8: sum 9, squares 11 + 4 = 15: var = (15 - 81/8) / 7
+    torch.testing.assert_close(two, torch.tensor([0.5, -0.5, 1.0, -1.0]) / (math.sqrt((15 - 81 / 8) / 7) + 1e-4))
+
+
+def test_advantages_of_singleton_constant_and_unscored_rows():
+    rewards, groups = torch.tensor([5.0, 2.0, 2.0, 4.0, 0.0, 7.0]), torch.tensor([9, 3, 3, 1, 1, 1])
+    scored = torch.tensor([True, True, True, True, False, True])
+    adv = compute_advantages(rewards, groups, scale_rewards="group", scored=scored)
+    # group 9 has one row (std undefined -> 0); group 3 is constant (0 / 1e-4 = 0); group 1 without its unscored
+    # row: [4, 7] -> mean 5.5, std sqrt(4.5), and the unscored row gets 0
+    s = math.sqrt(4.5) + 1e-4
+    torch.testing.assert_close(adv, torch.tensor([0.0, 0.0, 0.0, -1.5 / s, 0.0, 1.5 / s]))
+    none = compute_advantages(rewards, groups, scale_rewards="none", scored=scored)
+    torch.testing.assert_close(none, torch.tensor([0.0, 0.0, 0.0, -1.5, 0.0, 1.5]))
+
+
+# on-policy (old = logprobs): ratio 1 everywhere, so each valid token's policy loss is -A.
+# with A = [0.5, -0.5, 1, -1] (scale_rewards none) and lengths 3, 1, 2, 1:
+#   token sum = -(0.5*3 - 0.5*1 + 1*2 - 1*1) = -2
+#   grpo:    mean of row means = -(0.5 - 0.5 + 1 - 1) / 4 = 0
+#   bnpo:    -2 / 7
+#   dr_grpo: -2 / (4 rows * max_completion_length 4) = -0.125
+#   dapo:    -2 / 7 on one rank; with another rank of 5 tokens: -2 / ((7 + 5) / 2)
+ADV_NONE = torch.tensor([0.5, -0.5, 1.0, -1.0])
+EXPECTED = {"grpo": 0.0, "bnpo": -2 / 7, "dr_grpo": -0.125, "dapo": -2 / 7}
+
+
+def _loss(config: LossConfig, adv=ADV_NONE, **kw):
+    lp = LP.clone().requires_grad_(True)
+    loss, metrics = policy_loss(lp, lp.detach(), LP, adv, MASK, config=config, **kw)
+    loss.backward()
+    return loss, metrics, lp.grad
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_each_loss_type_by_hand(loss_type):
+    config = LossConfig(loss_type=loss_type, correction="none", max_completion_length=4)
+    loss, metrics, grad = _loss(config)
+    close(loss, EXPECTED[loss_type])
+    # d loss / d logp at a token = -A * (its weight): grpo 1 / (4 * row length), bnpo and dapo 1/7, dr_grpo 1/16
+    weight = {"grpo": 1 / (4 * MASK.sum(-1, keepdim=True).float()), "bnpo": 1 / 7, "dapo": 1 / 7, "dr_grpo": 1 / 16}
+    expected = torch.where(MASK, -ADV_NONE[:, None] * weight[loss_type], torch.zeros(()))
+    torch.testing.assert_close(grad, expected.expand_as(grad))
+
+
+def test_dapo_normalises_by_the_tokens_of_all_ranks():
+    config = LossConfig(loss_type="dapo", correction="none")
+    loss, _, _ = _loss(config, all_reduce=lambda t: t + torch.tensor([5.0, 1.0]))  # the other rank: 5 tokens
+    close(loss, -2 / ((7 + 5) / 2))
+
+
+def test_dr_grpo_needs_its_constant():
+    with pytest.raises(ValueError, match="max_completion_length"):
+        _loss(LossConfig(loss_type="dr_grpo"))
+
+
+def test_epsilon_and_epsilon_high_clip_by_hand():
+    # row 0 (A = +0.5) token 0 at ratio 1.5, row 1 (A = -0.5) token 0 at ratio 0.5, the rest at ratio 1
+    old = LP.clone()
+    old[0, 0], old[1, 0] = LP[0, 0] - math.log(1.5), LP[1, 0] - math.log(0.5)
+    lp = LP.clone().requires_grad_(True)
+    config = LossConfig(loss_type="bnpo", correction="none", epsilon=0.1, epsilon_high=0.28)
+    loss, m = policy_loss(lp, old, old, ADV_NONE, MASK, config=config)
+    # row 0 token 0: -min(1.5 * 0.5, 1.28 * 0.5) = -0.64; row 1 token 0: -min(0.5 * -0.5, 0.9 * -0.5) = 0.45
+    tokens = [-0.64, -0.5, -0.5, 0.45, -1.0, -1.0, 1.0]
+    close(loss, sum(tokens) / 7)
+    close(m["clip_ratio/high_mean"], 1 / 7)  # ratio > 1 + epsilon_high with A > 0
+    close(m["clip_ratio/low_mean"], 1 / 7)  # ratio < 1 - epsilon with A < 0
+    close(m["clip_ratio/region_mean"], 2 / 7)
+
+
+def test_beta_adds_k3_per_token_before_aggregation():
+    # ref - logp = ln 2 at row 0 token 0: k3 = e^(ln 2) - ln 2 - 1 = 1 - ln 2; 0 elsewhere
+    ref = LP.clone()
+    ref[0, 0] += math.log(2)
+    k3 = 1 - math.log(2)
+    for loss_type, expected in [("grpo", 0.0 + 0.04 * k3 / 3 / 4), ("bnpo", -2 / 7 + 0.04 * k3 / 7)]:
+        loss, m, _ = _loss(LossConfig(loss_type=loss_type, correction="none", beta=0.04), ref_logprobs=ref)
+        close(loss, expected)
+        close(m["kl"], k3 / 7)  # logged as the token mean (TRL's kl metric)
+        close(m["pg_loss"], EXPECTED[loss_type])
+
+
+def test_mask_truncated_completions_drops_rows_that_hit_the_limit():
+    # row 3 (A = -1, 1 token) truncated: token sum -(1.5 - 0.5 + 2) = -3 over 6 tokens
+    config = LossConfig(loss_type="bnpo", correction="none", mask_truncated_completions=True)
+    loss, m, grad = _loss(config, truncated=torch.tensor([False, False, False, True]))
+    close(loss, -3 / 6)
+    close(m["truncated_masked_fraction"], 1 / 7)
+    assert grad[3].eq(0).all()
+    with pytest.raises(ValueError, match="needs truncated"):
+        _loss(config)
+
+
+def _batch(finish=("stop", "stop", "stop", "length")) -> dict:
+    return {"rewards": REWARDS, "group_index": GROUPS, "loss_mask": MASK, "rollout_logprobs": LP.clone(),
+            "token_versions": torch.zeros(4, 3, dtype=torch.long), "finish_reasons": list(finish),
+            "reward_components": {}}
+
+
+def test_compute_loss_is_advantages_then_the_loss():
+    config = LossConfig(loss_type="bnpo", scale_rewards="none", correction="none", mask_truncated_completions=True)
+    loss, metrics, adv = compute_loss(_batch(), LP.clone().requires_grad_(True), config=config)
+    torch.testing.assert_close(adv, ADV_NONE)
+    close(loss, -3 / 6)  # the truncated row 3 is out
+    unscored = _batch()
+    unscored["reward_components"] = {"unscored": torch.tensor([math.nan, math.nan, math.nan, 1.0])}
+    _, _, adv = compute_loss(unscored, LP.clone().requires_grad_(True), config=config)
+    torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, 0.0, 0.0]))  # group 1's mean is row 2's reward alone
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# against TRL's own code
+
+
+def _trl_loss(loss_type: str, lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, ref: torch.Tensor | None,
+              beta: float):
+    """TRL 1.16's ``GRPOTrainer._compute_loss`` on our numbers: a stand-in ``self`` whose forward returns ``lp``."""
+    grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
+    accelerator = SimpleNamespace(num_processes=1, gather=lambda t: t, gather_for_metrics=lambda t: t,
+                                  reduce=lambda t, reduction: t, sync_gradients=True)
+    fake = SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *a, **k: (lp, torch.zeros_like(lp), None),
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta,
+        loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.2, use_vllm=False, model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1, max_completion_length=4, accelerator=accelerator,
+        _entropy_bonus_enabled=False, aux_loss_enabled=False, _metrics={"train": defaultdict(list)},
+        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1),
+    )
+    inputs = {"prompt_ids": torch.zeros(4, 0, dtype=torch.long), "prompt_mask": torch.zeros(4, 0, dtype=torch.long),
+              "completion_ids": torch.zeros(4, 3, dtype=torch.long), "completion_mask": MASK.long(),
+              "advantages": adv, "num_items_in_batch": MASK.sum(), "old_per_token_logps": old}
+    if ref is not None:
+        inputs["ref_per_token_logps"] = ref
+    return grpo_trainer.GRPOTrainer._compute_loss(fake, None, inputs), fake._metrics["train"]
+
+
+@pytest.mark.slow  # importing trl's trainer takes ~20 s (it imports vLLM)
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_each_loss_type_matches_trl(loss_type):
+    old = LP.clone()
+    old[0, 0], old[2, 1] = LP[0, 0] - math.log(1.5), LP[2, 1] - math.log(0.7)  # two tokens off-policy, one clipped
+    ref = LP + 0.3 * torch.tensor([[1.0, -1.0, 0.5], [2.0, 0.0, 0.0], [-0.5, 1.0, 0.0], [0.2, 0.0, 0.0]])
+    adv = compute_advantages(REWARDS, GROUPS, scale_rewards="group")
+    lp_trl = LP.clone().requires_grad_(True)
+    expected, trl_metrics = _trl_loss(loss_type, lp_trl, old, adv, ref, beta=0.05)
+    lp = LP.clone().requires_grad_(True)
+    config = LossConfig(loss_type=loss_type, correction="none", beta=0.05, max_completion_length=4)
+    ours, metrics = policy_loss(lp, old, old, adv, MASK, config=config, ref_logprobs=ref)
+    close(ours, float(expected.detach()))
+    expected.backward()
+    ours.backward()
+    torch.testing.assert_close(lp.grad, lp_trl.grad)
+    assert metrics["kl"] == pytest.approx(trl_metrics["kl"][0], rel=1e-5)
+    assert metrics["clip_ratio/region_mean"] == pytest.approx(trl_metrics["clip_ratio/region_mean"][0], rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# user losses and old names
+
+
+def reinforce(batch, logprobs, *, advantages):
+    """A user loss: -A * logp over the response tokens, with one extra metric."""
+    mask = batch["loss_mask"]
+    per_token = torch.where(mask, -advantages[:, None] * logprobs, torch.zeros(()))
+    return per_token.sum() / mask.sum(), {"tokens": float(mask.sum())}
+
+
+def nan_loss(batch, logprobs, **kwargs):
+    return (logprobs * float("nan")).sum()
+
+
+def not_a_scalar(batch, logprobs, **kwargs):
+    return logprobs
+
+
+def test_a_user_loss_gets_the_batch_logprobs_and_advantages():
+    config = LossConfig(fn="tests.unit.test_loss_variants:reinforce", scale_rewards="none")
+    lp = LP.clone().requires_grad_(True)
+    loss, metrics, adv = compute_loss(_batch(), lp, config=config)
+    close(loss, float(torch.where(MASK, -ADV_NONE[:, None] * LP, torch.zeros(())).sum() / 7))
+    assert metrics["tokens"] == 7 and metrics["loss"] == pytest.approx(float(loss))
+    with pytest.raises(TypeError, match="must return a scalar tensor"):
+        compute_loss(_batch(), lp, config=LossConfig(fn="tests.unit.test_loss_variants:not_a_scalar"))
+    with pytest.raises(ValueError, match="module:function"):
+        LossConfig(fn="reinforce")
+
+
+def test_old_names_still_work():
+    config = LossConfig(clip_low=0.1, clip_high=0.28, kl_coef=0.02, aggregation="sequence")
+    assert (config.epsilon, config.epsilon_high, config.beta, config.loss_type) == (0.1, 0.28, 0.02, "grpo")
+    assert config.clip_low is None and config.kl_coef is None and config.aggregation is None  # saved once, new names
+    assert LossConfig(aggregation="token").loss_type == "bnpo"
+    assert LossConfig(epsilon=0.3).epsilon_high == 0.3 and LossConfig(scale_rewards=False).scale_rewards == "none"
+    with pytest.raises(ValueError, match="loss.loss_type"):
+        LossConfig(aggregation="batch")
