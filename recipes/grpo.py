@@ -59,6 +59,7 @@ from asyncrl.losses import LossConfig, group_advantages, mismatch_metrics, polic
 from asyncrl.run_dir import RunDirLock, RunDirLocked, truncate_records
 from asyncrl.timeline import new_incarnation
 from asyncrl.weights import setup_weight_broadcaster
+from asyncrl.weights.state import policy_state
 from asyncrl.data import DataConfig, load_prompts
 from workers.tiny_model import build_tiny_model
 
@@ -364,27 +365,15 @@ class GRPORecipe:
                   f"--set worker.engine.model=<dir>", file=sys.stderr, flush=True)
 
     # -- weights -----------------------------------------------------------------------------------------------------
-    def _weights(self) -> tuple[dict[str, torch.Tensor], str, dict[str, Any] | None]:
-        if self.cfg.lora.rank:
-            from peft import get_peft_model_state_dict
-
-            config = {k: sorted(v) if isinstance(v, set) else getattr(v, "value", v) for k, v in self.peft_config.to_dict().items()}
-            return get_peft_model_state_dict(self.policy), "lora", config
-        return self.policy.state_dict(), "full", None
-
     def publish(self) -> None:
-        """Rank 0 publishes the current weights as ``self.version`` (others hold identical replicas)."""
-        if self.cfg.train.parallel == "fsdp2":
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            tensors, mode, lora_config = state, "full", None
-        else:
-            tensors, mode, lora_config = self._weights()
-        self.last_publish_bytes = sum(t.nbytes for t in tensors.values())  # payload: what crosses the wire
-        if self.broadcaster is not None:
-            self.last_publish = self.broadcaster.publish(tensors, self.version, mode=mode, lora_config=lora_config,
-                                                         incarnation=self.incarnation)
+        """Rank 0 publishes the current weights as ``self.version``; with FSDP2 every rank takes part in the
+        bucket-by-bucket gathers (asyncrl.weights.state)."""
+        state = policy_state(self.model, "lora" if self.cfg.lora.rank else "full", bucket_bytes=self.cfg.weights.bucket_bytes)
+        with state:
+            if self.broadcaster is not None:
+                self.last_publish = self.broadcaster.publish(state, self.version, mode=state.mode,
+                                                             lora_config=state.lora_config, incarnation=self.incarnation)
+        self.last_publish_bytes = state.nbytes  # payload: what crosses the wire
 
     # -- train -------------------------------------------------------------------------------------------------------
     def train(self) -> None:

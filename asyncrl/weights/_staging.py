@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from asyncrl.codec import DecodeError
-from asyncrl.weights.base import Bucket, TensorSlot, WeightSyncError, WeightUpdate
+from asyncrl.weights.base import Bucket, TensorSlot, WeightSyncError, WeightUpdate, tensor_specs
 
 __all__ = [
     "DTYPES",
@@ -67,7 +67,7 @@ def check_publish(
     if lora_config is not None and (mode != "lora" or not isinstance(lora_config, dict)):
         raise ValueError(f"lora_config must be a dict and only given with mode='lora' (got {mode=}, "
                          f"lora_config of type {type(lora_config).__name__})")
-    for name, t in tensors.items():
+    for name, t in tensor_specs(tensors).items():  # metadata: a streamed state gathers nothing here
         if not isinstance(name, str) or not isinstance(t, torch.Tensor):
             raise TypeError(f"tensors must map str -> torch.Tensor, got {type(name).__name__} -> {type(t).__name__}")
         if str(t.dtype).removeprefix("torch.") not in DTYPES:

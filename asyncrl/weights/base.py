@@ -35,6 +35,7 @@ __all__ = [
     "WeightUpdate",
     "bucket_checksum",
     "plan_buckets",
+    "tensor_specs",
 ]
 
 WeightMode = Literal["full", "lora"]
@@ -97,6 +98,13 @@ class Bucket:
         return cls(index=d["index"], nbytes=d["nbytes"], slots=slots, checksum=d["checksum"])
 
 
+def tensor_specs(tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """The dtype and shape of every tensor to publish, without materializing any: a streamed state
+    (:class:`asyncrl.weights.state.PolicyState`, FSDP2) gathers a tensor only when ``tensors[name]`` is read,
+    so a broadcaster reads metadata from here and each ``tensors[name]`` once, in order."""
+    return getattr(tensors, "specs", tensors)
+
+
 def plan_buckets(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[Bucket]:
     """Packs tensors, in order, into buckets of at most ``bucket_bytes`` (a larger tensor gets its own).
 
@@ -107,7 +115,7 @@ def plan_buckets(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list
     buckets: list[Bucket] = []
     current: list[TensorSlot] = []
     offset = 0
-    for name, t in tensors.items():
+    for name, t in tensor_specs(tensors).items():
         nbytes = t.numel() * t.element_size()
         if current and offset + nbytes > bucket_bytes:
             buckets.append(Bucket(index=len(buckets), nbytes=offset, slots=current))
