@@ -27,7 +27,6 @@ record and anomalies) and ``report/index.html`` (``asyncrl report``).
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import tempfile
 import dataclasses
@@ -53,6 +52,7 @@ from asyncrl.codec import dumps_json
 from asyncrl.config import WeightSyncConfig, from_dict
 from asyncrl.debug.detectors import DebugConfig, Debugger
 from asyncrl.dump import write_dump
+from asyncrl.guard import GuardConfig, UpdateGuard
 from asyncrl.lifeline import die_with_parent
 from asyncrl.logprobs import token_logprobs
 from asyncrl.losses import LossConfig, group_advantages, mismatch_metrics, policy_loss
@@ -102,14 +102,6 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.pause_in_save_point not in SAVE_POINTS:
             raise ValueError(f"train.pause_in_save_point={self.pause_in_save_point!r} must be one of {SAVE_POINTS}")
-
-
-@dataclass(kw_only=True, slots=True)
-class GuardConfig:
-    max_update_ratio: float = 0.05
-    """Reject an update whose ||dtheta|| / ||theta|| exceeds this (and any non-finite loss or gradient)."""
-    inject_nan_at_step: int | None = None
-    """Fault injection for tests: NaN rewards in this step's batch."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -297,6 +289,7 @@ class GRPORecipe:
             self.model = DDP(self.policy, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        self.guard = UpdateGuard(self.model, self.optimizer, cfg.guard, grad_clip=cfg.train.grad_clip)
 
     def _sft_warmup(self) -> None:
         """Brief supervised steps on the answers, so the policy starts with some reward signal."""
@@ -422,12 +415,10 @@ class GRPORecipe:
             token_versions=dev(batch["token_versions"]), trainer_version=self.version,
         )
         mismatch = mismatch_metrics(logp.detach(), dev(batch["rollout_logprobs"]), mask)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        snapshot = self._snapshot()  # after backward: FSDP2 parameters are back to their sharded form
-        grad_norm = float(torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
-                                                         cfg.train.grad_clip))
-        accepted, reason, ratio = self._guarded_step(loss, grad_norm, snapshot)
+        self.optimizer.zero_grad(set_to_none=True)  # the warm start's optimizer leaves its last gradients
+        lr = cfg.train.lr * min(1.0, self.step / max(1, cfg.train.warmup_steps))
+        verdict = self.guard.step(loss, lr=lr)  # backward, clip, step; a rejected update is undone exactly
+        accepted, reason, grad_norm, ratio = verdict.accepted, verdict.reason, verdict.grad_norm, verdict.update_ratio
         consumed_version = self.version
         # before the publish: rollouts the gate rejects from here on were made with the new weights (next step's)
         transport = (self.loader.stats()["transport"] | {"rejected_rollouts": self.loader.rejected_rollouts()}
@@ -450,7 +441,7 @@ class GRPORecipe:
                 step=self.step, policy_version=consumed_version, batch=batch, rewards=rewards,
                 trainer_logprobs=logp.detach(), advantages=advantages, accepted=accepted, guard_reason=reason,
                 loss=float(loss.detach()), grad_norm=grad_norm, update_ratio=ratio, weight_bytes=weight_bytes,
-                publish_s=publish_s, transport=transport, weights=lambda: snapshot[0],
+                publish_s=publish_s, transport=transport, weights=lambda: self.guard.snapshot,
             )
             for a in record["anomalies"]:
                 print(f"[rank {self.rank}] step {self.step}: anomaly {a['kind']}: {a['detail']}"
@@ -482,35 +473,6 @@ class GRPORecipe:
             **{f"loss/{k}": v for k, v in loss_metrics.items()},
             **{f"mismatch/{k}": v for k, v in mismatch.items()},
         }
-
-    def _snapshot(self) -> tuple[list[torch.Tensor], dict[str, Any]]:
-        params = [p.detach().clone() for p in self.model.parameters() if p.requires_grad]
-        return params, copy.deepcopy(self.optimizer.state_dict())
-
-    def _guarded_step(self, loss: torch.Tensor, grad_norm: float, snapshot) -> tuple[bool, str, float]:
-        """Steps the optimizer unless the update is bad; a rejected update is undone exactly."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if not math.isfinite(float(loss.detach())) or not math.isfinite(grad_norm):
-            return False, f"non-finite loss={float(loss.detach())} or grad_norm={grad_norm}", float("nan")
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.cfg.train.lr * min(1.0, self.step / max(1, self.cfg.train.warmup_steps))
-        self.optimizer.step()
-        before, opt_state = snapshot
-        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731 - FSDP2 shards are DTensors
-        sums = torch.stack([
-            sum(((local(p.detach()) - local(b)).float() ** 2).sum() for p, b in zip(params, before)),
-            sum((local(b).float() ** 2).sum() for b in before),
-        ])
-        if self.cfg.train.parallel == "fsdp2":  # each rank holds a shard; DDP replicas need no reduction
-            dist.all_reduce(sums)
-        ratio = float(sums[0].sqrt() / sums[1].sqrt().clamp_min(1e-12))
-        if math.isfinite(ratio) and ratio <= self.cfg.guard.max_update_ratio:
-            return True, "", ratio
-        with torch.no_grad():
-            for p, b in zip(params, before):
-                p.copy_(b)
-        self.optimizer.load_state_dict(opt_state)
-        return False, f"update_ratio={ratio:.4g} > guard.max_update_ratio={self.cfg.guard.max_update_ratio}", ratio
 
     def _dump(self, batch, rewards, reason, loss, grad_norm, ratio) -> None:
         body = {

@@ -1,0 +1,168 @@
+"""The update guard (asyncrl.guard): accepted steps step, rejected ones leave parameters and optimizer state
+bit-for-bit as before, and every rank of a DDP or FSDP2 group reaches the same verdict."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from asyncrl.guard import GuardConfig, UpdateGuard
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def _loss(model: torch.nn.Module, scale: float = 1.0) -> torch.Tensor:
+    x = torch.linspace(-1, 1, 16).view(4, 4)
+    return model(x).pow(2).mean() * scale
+
+
+def _state(model, optimizer) -> tuple[list[torch.Tensor], dict]:
+    params = [p.detach().clone() for p in model.parameters()]
+    opt = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+           for i, s in enumerate(optimizer.state.values())}
+    return params, opt
+
+
+def _assert_same(a, b) -> None:
+    assert len(a[0]) == len(b[0]) and all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
+    assert a[1].keys() == b[1].keys()
+    for i in a[1]:
+        assert a[1][i].keys() == b[1][i].keys()
+        for k in a[1][i]:
+            assert torch.equal(a[1][i][k], b[1][i][k]) if isinstance(a[1][i][k], torch.Tensor) else a[1][i][k] == b[1][i][k]
+
+
+def test_a_finite_step_is_taken_and_clears_gradients():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = _state(model, opt)
+    verdict = UpdateGuard(model, opt, GuardConfig(max_update_ratio=0.5)).step(_loss(model))
+    assert verdict and verdict.reason == "" and 0 < verdict.update_ratio <= 0.5 and math.isfinite(verdict.grad_norm)
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before[0]))
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_a_nan_loss_is_rejected_and_nothing_changes(first):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = UpdateGuard(model, opt, GuardConfig(max_update_ratio=0.5))
+    if not first:  # optimizer state exists (moments, step counts) and must come back unchanged
+        for _ in range(3):
+            assert guard.step(_loss(model))
+    before = _state(model, opt)
+    verdict = guard.step(_loss(model, scale=float("nan")))
+    assert not verdict and "non-finite loss=nan" in verdict.reason
+    _assert_same(before, _state(model, opt))
+    assert len(opt.state) == (0 if first else 4)
+    assert guard.step(_loss(model))  # and the next good step goes through
+
+
+def test_a_too_large_update_is_undone_exactly():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=100.0, momentum=0.9)
+    guard = UpdateGuard(model, opt, GuardConfig(max_update_ratio=0.01), grad_clip=None)
+    opt.param_groups[0]["lr"] = 1e-6
+    assert guard.step(_loss(model))  # momentum buffers now exist
+    opt.param_groups[0]["lr"] = 100.0
+    before = _state(model, opt)
+    verdict = guard.step(_loss(model))
+    assert not verdict and verdict.reason.startswith("update_ratio=") and "guard.max_update_ratio=0.01" in verdict.reason
+    assert verdict.update_ratio > 0.01
+    _assert_same(before, _state(model, opt))
+
+
+def test_max_grad_norm_rejects_before_stepping():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = _state(model, opt)
+    verdict = UpdateGuard(model, opt, GuardConfig(max_grad_norm=1e-9)).step(_loss(model))
+    assert not verdict and "guard.max_grad_norm=1e-09" in verdict.reason and math.isnan(verdict.update_ratio)
+    _assert_same(before, _state(model, opt))
+
+
+def test_a_user_loss_function_returning_nan_is_rejected():
+    """A custom loss (``loss.fn``) passes through the same guard: NaN out, parameters unchanged."""
+
+    def user_loss(logp: torch.Tensor, batch: dict) -> torch.Tensor:
+        return (logp * batch["advantages"]).mean() / batch["advantages"].sum()  # 0/0 on a batch of zero advantages
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = _state(model, opt)
+    logp = model(torch.ones(3, 4)).squeeze(-1)
+    verdict = UpdateGuard(model, opt).step(user_loss(logp, {"advantages": torch.zeros(3)}))
+    assert not verdict and "non-finite" in verdict.reason
+    _assert_same(before, _state(model, opt))
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="guard.max_update_ratio=0"):
+        GuardConfig(max_update_ratio=0)
+    with pytest.raises(ValueError, match="no parameter with requires_grad"):
+        UpdateGuard(torch.nn.Linear(2, 2).requires_grad_(False), torch.optim.SGD([torch.zeros(1, requires_grad=True)]))
+
+
+def _ranks(rank: int, world: int, init: str, parallel: str, out: dict) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        model = _model()
+        if parallel == "ddp":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            wrapped = DDP(model)
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            wrapped = fully_shard(model)
+        opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+        guard = UpdateGuard(wrapped, opt, GuardConfig(max_update_ratio=0.5))
+        verdicts = [guard.step(_loss(wrapped)).accepted]
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+        before = [local(p.detach()).clone() for p in wrapped.parameters()]
+        # a NaN loss on rank 1 only, whose gradients stay finite (a constant term): rank 0's loss and gradients
+        # are finite, yet it must reject too
+        v = guard.step(_loss(wrapped) + (torch.tensor(float("nan")) if rank == 1 else 0.0))
+        verdicts.append(v.accepted)
+        same = all(torch.equal(local(p.detach()), b) for p, b in zip(wrapped.parameters(), before))
+        # a step too large on every rank (lr 1e3): rejected and undone everywhere
+        opt.param_groups[0]["lr"] = 1e3
+        v2 = guard.step(_loss(wrapped))
+        verdicts.append(v2.accepted)
+        same2 = all(torch.equal(local(p.detach()), b) for p, b in zip(wrapped.parameters(), before))
+        out[rank] = (verdicts, v.reason, same, same2, v2.update_ratio)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+def test_every_rank_agrees_and_restores(tmp_path, parallel):
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_ranks, args=(2, f"file://{tmp_path / 'store'}", parallel, out), nprocs=2, join=True)
+        results = dict(out)
+    for rank in (0, 1):
+        verdicts, reason, same, same2, ratio = results[rank]
+        assert verdicts == [True, False, False], (rank, results)
+        assert "non-finite" in reason and same and same2
+    assert "(on another rank)" in results[0][1]
+    assert results[0][4] == results[1][4]  # the ratio is global: FSDP2 shards add up, DDP replicas agree
+
+
+def test_the_step_learning_rate_is_set_only_when_kept():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = UpdateGuard(model, opt, GuardConfig(max_update_ratio=1e-3))
+    assert not guard.step(_loss(model), lr=50.0)  # too large: undone, and the schedule's lr with it
+    assert opt.param_groups[0]["lr"] == 0.1
+    assert not guard.step(_loss(model, scale=float("nan")), lr=1e-6)
+    assert opt.param_groups[0]["lr"] == 0.1
+    assert guard.step(_loss(model), lr=1e-6) and opt.param_groups[0]["lr"] == 1e-6
