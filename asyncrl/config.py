@@ -182,9 +182,11 @@ class EngineConfig:
 class WeightSyncConfig:
     """How a worker receives weights (and where the trainer's broadcaster binds)."""
 
-    type: Literal["none", "zmq", "shm"] = "none"
+    type: Literal["none", "zmq", "shm", "nccl"] = "none"
     """``none``: no weight sync (the fake engine follows the pool's version); ``zmq``: across machines;
-    ``shm``: shared memory, same machine."""
+    ``shm``: shared memory, same machine; ``nccl``: a process group of the weight channel's own
+    (:mod:`asyncrl.weights.nccl_weights`: NCCL with CUDA buckets, gloo with CPU buckets; the address is
+    the broadcaster's control endpoint, bound like ``bind``)."""
     address: str | None = None
     """Worker side: the broadcaster's address (endpoint for zmq, directory for shm)."""
     bind: str = "tcp://127.0.0.1:0"

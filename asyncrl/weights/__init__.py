@@ -1,7 +1,8 @@
 """Weight sync: broadcaster (trainer) and receiver (worker) ends; see ``base.py``.
 
-Backends: ``zmq`` (:mod:`asyncrl.weights.zmq_weights`, any machine a socket reaches) and ``shm``
-(:mod:`asyncrl.weights.shm_weights`, receivers on the broadcaster's machine). Pick one with
+Backends: ``zmq`` (:mod:`asyncrl.weights.zmq_weights`, any machine a socket reaches), ``shm``
+(:mod:`asyncrl.weights.shm_weights`, receivers on the broadcaster's machine) and ``nccl``
+(:mod:`asyncrl.weights.nccl_weights`, a process group of the channel's own: NCCL on GPUs, gloo on CPUs). Pick one with
 :func:`setup_weight_broadcaster` / :func:`setup_weight_receiver`.
 """
 
@@ -19,11 +20,14 @@ from asyncrl.weights.base import (
     bucket_checksum,
     plan_buckets,
 )
+from asyncrl.weights.nccl_weights import NcclWeightBroadcaster, NcclWeightReceiver
 from asyncrl.weights.shm_weights import ShmWeightBroadcaster, ShmWeightReceiver
 from asyncrl.weights.zmq_weights import ZmqWeightBroadcaster, ZmqWeightReceiver
 
 __all__ = [
     "Bucket",
+    "NcclWeightBroadcaster",
+    "NcclWeightReceiver",
     "ShmWeightBroadcaster",
     "ShmWeightReceiver",
     "TensorSlot",
@@ -39,14 +43,19 @@ __all__ = [
     "setup_weight_receiver",
 ]
 
-WeightSyncType = Literal["zmq", "shm"]
-_BROADCASTERS: dict[str, type[WeightBroadcaster]] = {"zmq": ZmqWeightBroadcaster, "shm": ShmWeightBroadcaster}
-_RECEIVERS: dict[str, type[WeightReceiver]] = {"zmq": ZmqWeightReceiver, "shm": ShmWeightReceiver}
+WeightSyncType = Literal["zmq", "shm", "nccl"]
+_BROADCASTERS: dict[str, type[WeightBroadcaster]] = {
+    "zmq": ZmqWeightBroadcaster, "shm": ShmWeightBroadcaster, "nccl": NcclWeightBroadcaster,
+}
+_RECEIVERS: dict[str, type[WeightReceiver]] = {
+    "zmq": ZmqWeightReceiver, "shm": ShmWeightReceiver, "nccl": NcclWeightReceiver,
+}
 
 
 def _pick(table: dict[str, Any], type: str) -> Any:
     if type not in table:
-        raise ValueError(f"unknown weight sync {type=}; choose 'zmq' (across machines) or 'shm' (same machine)")
+        raise ValueError(f"unknown weight sync {type=}; choose 'zmq' (across machines), 'shm' (same machine) or "
+                         "'nccl' (a process group of its own: NCCL on GPUs, gloo on CPUs)")
     return table[type]
 
 
