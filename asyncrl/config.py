@@ -204,6 +204,17 @@ class WeightSyncConfig:
     catch_up_s: float = 10.0
     """A worker leased prompts at a newer policy version than its weights waits up to this long for that
     version's weights before generating (then generates with what it has; the pool judges staleness)."""
+    verify: Literal["off", "sampled", "full"] = "sampled"
+    """Post-sync verification (:mod:`asyncrl.weights.verify`): after applying an update the worker compares
+    checksums of what its engine holds with those of the published tensors. ``sampled``: ``verify_sample``
+    tensors per update (rotating through all of them), plus a full check every ``verify_full_every`` versions;
+    ``full``: every tensor of every update; ``off``: none. A mismatch is counted as ``weight_mismatch`` with the
+    tensor names (worker status, ``loader.stats()``, the debugger's anomalies); the worker keeps running."""
+    verify_sample: int = 4
+    """``verify: sampled``: tensors checked per update."""
+    verify_full_every: int = 100
+    """Every this many policy versions the check covers every tensor (0: only on demand). A full check on a CPU
+    vLLM engine reads each packed linear weight back through its kernel (a matrix product per tensor)."""
 
 
 

@@ -44,6 +44,7 @@ from asyncrl.ledger import PromptLedger
 from asyncrl.pool import RolloutPool
 from asyncrl.rollout import Group
 from asyncrl.transport import RolloutReceiver, setup_rollout_receiver
+from asyncrl.weights.verify import weight_mismatches
 from datapipes.collate import TrainBatch, collate_groups
 from datapipes.filters import GroupFilter
 from datapipes.pool_node import RolloutPoolNode
@@ -237,7 +238,8 @@ class RolloutLoader(Loader[TrainBatch]):
             "peak": peak,
             "pool": pool,
             "ledger": ledger,
-            "transport": self.receiver.stats(),
+            "transport": (transport := self.receiver.stats()),
+            "weight_mismatch": weight_mismatches(transport.get("workers", {})),  # post-sync verification, all workers
             "skipped": skipped,
             "prompt_failures": {str(i): {"failures": n, "error": e} for i, (n, e) in failures.items()},
             "workers": self.launcher.stats() if self.launcher is not None else None,

@@ -36,14 +36,14 @@ from typing import Any
 
 from asyncrl._logging import Throttle
 from asyncrl.config import FaultConfig, TransportConfig, WorkerConfig
+from asyncrl.rewards import RewardError, RewardSet
 from asyncrl.rollout import Group, Rollout, make_group_id
 from asyncrl.transport import ReceivedLease, RolloutSender, setup_rollout_sender
+from asyncrl.weights.verify import WeightVerifier
 from workers.engines.base import Completion, Engine, GenerationRequest, build_engine
 from workers import faults
-from workers.environments import Environment, load_environment, run_episodes
+from workers.environments import Environment, env_reward, load_environment, run_episodes
 from workers.partial import generate_interruptible
-from asyncrl.rewards import RewardError, RewardSet
-from workers.environments import env_reward
 from workers.rewards import RewardFn
 
 __all__ = ["RolloutWorker", "run_worker"]
@@ -77,6 +77,7 @@ class RolloutWorker:
         interrupt_every_tokens: int = 0,
         fault: FaultConfig | None = None,
         catch_up_s: float = 10.0,
+        verifier: WeightVerifier | None = None,
     ):
         self.worker_id = worker_id
         self.engine = engine
@@ -91,6 +92,8 @@ class RolloutWorker:
         self.interrupt_every_tokens = interrupt_every_tokens
         self.fault = fault or FaultConfig()
         self.catch_up_s = catch_up_s
+        self.verifier = verifier
+        """Post-sync verification of each applied update (:mod:`asyncrl.weights.verify`); None: off."""
         self.groups_sent = 0
         self.rollouts_sent = 0
         self.tokens_generated = 0
@@ -132,6 +135,8 @@ class RolloutWorker:
             failures = self.weights.stats().get("failures", 0)
             status["weight_sync_failures"] = failures if isinstance(failures, int) else len(failures)
             status["weight_apply_failures"] = self.weight_failures
+            if self.verifier is not None:
+                status.update(self.verifier.status())
         self.sender.status = status
 
     def apply_staged_weights(self, update: Any | None = None) -> bool:
@@ -144,6 +149,7 @@ class RolloutWorker:
             return False
         t0 = time.perf_counter()
         try:
+            plan = self.verifier.before(update) if self.verifier is not None else None
             if faults.skips_weights(self.fault, update.version):  # injected fault: commit without loading
                 self.engine.policy_version = update.version
             else:
@@ -156,10 +162,28 @@ class RolloutWorker:
             return False
         finally:
             self.weight_apply_s += time.perf_counter() - t0
+        if plan is not None:
+            self._verify(update, plan)
         self.weights.commit(update.version)
         logger.info("worker %s: now at policy version %d", self.worker_id, update.version)
         self._report()
         return True
+
+    def _verify(self, update: Any, plan: Any) -> None:
+        """Compares what the engine now holds with the published tensors; a mismatch is counted and named in the
+        status, and the worker carries on (the trainer's loader.stats() and debugger report it)."""
+        try:
+            result = self.verifier.after(self.engine, update, plan)
+        except NotImplementedError:  # an engine without weights to read: nothing to verify, ever
+            self.verifier = None
+            return
+        except Exception:  # deliberate fault tolerance: a failed check must not stop generation
+            self._throttle.error("verify_failed", "worker %s: verifying weights of version %d failed",
+                                 self.worker_id, update.version, exc_info=True)
+            return
+        if result is not None and not result.ok:
+            self._throttle.error("weight_mismatch", "worker %s: weight_mismatch: %s", self.worker_id,
+                                 result.describe())
 
     def step(self, leases: Sequence[ReceivedLease]) -> None:
         """Generates, rewards and sends one batch of leases."""
@@ -310,6 +334,8 @@ def run_worker(
         interrupt_every_tokens=config.interrupt_every_tokens,
         fault=config.fault,
         catch_up_s=config.weights.catch_up_s,
+        verifier=None if receiver is None or config.weights.verify == "off" else WeightVerifier(
+            config.weights.verify, sample=config.weights.verify_sample, full_every=config.weights.verify_full_every),
     )
     if receiver is not None:  # a late joiner starts from the current weights, not the initial ones
         first = receiver.wait(0, timeout=config.weights.wait_for_first_s)

@@ -22,6 +22,9 @@ Detectors (``DebugConfig.detectors``), each for a class of bug:
 - ``ratio_tail``: too many tokens with importance ratio outside [0.5, 2).
 - ``rejected_rollouts``: the pool's gate rejected rollouts during this step (bad messages): what a
   worker sent never reached the batch, and the dump carries the gate's reasons.
+- ``weight_mismatch``: a worker's post-sync verification (:mod:`asyncrl.weights.verify`) found that its
+  engine does not hold what the trainer published (a mis-mapped fused tensor, a skipped LoRA update); the
+  detail names the workers and tensors.
 
 Shift detectors compare against the last ``window`` steps on which they did not fire, so a
 persisting fault keeps firing instead of becoming the new normal.
@@ -44,11 +47,12 @@ import torch
 
 from asyncrl.debug.record import StepRecorder, step_record
 from asyncrl.dump import write_dump
+from asyncrl.weights.verify import weight_mismatches
 
 __all__ = ["DETECTORS", "Anomaly", "AnomalyDetectors", "DebugConfig", "Debugger", "weights_checksum"]
 
 DETECTORS = ("nonfinite", "guard_rejection", "version_lag", "logprob_mismatch", "logprob_shift", "reward_shift",
-             "ratio_tail", "rejected_rollouts")
+             "ratio_tail", "rejected_rollouts", "weight_mismatch")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -167,6 +171,11 @@ class AnomalyDetectors:
             errors = "; ".join(f"{w}: {e}" for w, e in transport.get("recent_errors", [])[-3:])
             out.append(Anomaly(kind="rejected_rollouts", detail=(
                 f"the pool rejected {transport['bad_messages_delta']} message(s) during this step: {errors}")))
+        if "weight_mismatch" in on and transport and transport.get("weight_mismatch_delta", 0) > 0:
+            names = "; ".join(f"{w}: {m['tensors']}" for w, m in transport.get("weight_mismatch", {}).items())
+            out.append(Anomaly(kind="weight_mismatch", detail=(
+                f"{transport['weight_mismatch_delta']} weight update(s) applied during this step differ from the "
+                f"published tensors on the workers: {names}")))
         return out
 
 
@@ -206,6 +215,7 @@ class Debugger:
             self.anomalies_path.unlink(missing_ok=True)
         self.dumps = 0
         self._bad_messages = 0
+        self._weight_mismatches = 0
 
     def observe(
         self,
@@ -244,6 +254,10 @@ class Debugger:
                     "rejected_rollouts": transport.get("rejected_rollouts", [])}
             self._bad_messages = bad
             record["bad_messages"] = gate["bad_messages_delta"]
+            mismatch = weight_mismatches(transport.get("workers") or {})
+            gate["weight_mismatch_delta"] = mismatch["count"] - self._weight_mismatches
+            gate["weight_mismatch"] = mismatch["workers"]
+            self._weight_mismatches = mismatch["count"]
         anomalies = self.detectors.check(record, gate)
         dump = None
         if anomalies and self.dumps < self.config.max_dumps:

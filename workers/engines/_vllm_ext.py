@@ -3,11 +3,52 @@
 Weights arrive as safetensors bytes, which survive vLLM's RPC serialization in every mode (tensors
 passed to ``collective_rpc`` arrive as plain lists in multiprocess mode), and are loaded through
 ``reload_weights`` — ``model.load_weights`` breaks on CPU, whose backend prepacks linear weights.
+
+Post-sync verification (:mod:`asyncrl.weights.verify`) reads the model runner's own parameters back
+under the trainer's (HF) names: vLLM fuses ``q/k/v_proj`` into ``qkv_proj`` and ``gate/up_proj`` into
+``gate_up_proj``, so the fused tensor is sliced by the model config's head counts (q: heads × head_dim,
+k and v: kv_heads × head_dim; gate and up: intermediate_size each) and each slice hashed on its own. On
+CPU vLLM packs linear weights for its GEMM kernels and leaves ``layer.weight`` empty; such a weight is
+read back through the layer's own kernel, ``cpu_linear(I, ...)`` with the identity (a product by 1 and
+sums with 0: exact, so it is the weight the kernel really multiplies by; a ``-0.0`` element would read
+back as ``+0.0``).
 """
 
 from __future__ import annotations
 
-__all__ = ["AsyncrlWorkerExtension"]
+from typing import Any
+
+from workers.engines import _vllm_transfer
+
+__all__ = ["AsyncrlWorkerExtension", "fused_slices"]
+
+_vllm_transfer.register()  # a vLLM worker process imports this module (worker_extension_cls) before loading the model
+
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def fused_slices(config: Any) -> dict[str, list[int]]:
+    """Output sizes of the shards of each fused projection, from an HF model config (tensor parallel size 1)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return {"qkv_proj": [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim],
+            "gate_up_proj": [config.intermediate_size, config.intermediate_size]}
+
+
+def _held_weight(module: Any, param_name: str) -> Any:
+    """The parameter's values as the engine computes with them (packed CPU linear weights read back)."""
+    import torch
+
+    param = getattr(module, param_name)
+    if param_name == "weight" and param.numel() == 0 and hasattr(module, "cpu_linear"):
+        k = module.input_size_per_partition
+        with torch.no_grad():
+            return module.cpu_linear(torch.eye(k, dtype=param.dtype, device=param.device), param, None).t()
+    if hasattr(module, "org_vocab_size"):  # embeddings and lm_head: rows past the vocabulary are padding
+        return param.detach()[: module.org_vocab_size]
+    return param.detach()
 
 
 class AsyncrlWorkerExtension:
@@ -18,3 +59,42 @@ class AsyncrlWorkerExtension:
         tensors = load(payload)
         self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
         return len(tensors)
+
+    def asyncrl_weight_checksums(self, names: list[str]) -> dict[str, Any]:
+        """``[dtype, checksum]`` of what this worker holds under each HF name (``full`` mode); a name it does not
+        hold is left out; with tensor parallelism (shards of a tensor) every name maps to None."""
+        from asyncrl.weights.verify import tensor_checksum
+
+        vllm_config = self.vllm_config  # type: ignore[attr-defined]
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        if vllm_config.parallel_config.tensor_parallel_size > 1:
+            return {n: None for n in names}
+        hf_config = vllm_config.model_config.hf_config
+        sizes = fused_slices(hf_config)
+        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        out: dict[str, Any] = {}
+        cache: dict[str, Any] = {}
+        for name in names:
+            module_path, _, param_name = name.rpartition(".")
+            parent, _, leaf = module_path.rpartition(".")
+            if leaf in _FUSED:
+                fused, index = _FUSED[leaf]
+                module_path = f"{parent}.{fused}"
+            elif tied and module_path == "lm_head":
+                module_path, index = "model.embed_tokens", None
+            else:
+                index = None
+            key = f"{module_path}.{param_name}"
+            if key not in cache:
+                try:
+                    cache[key] = _held_weight(model.get_submodule(module_path), param_name)
+                except AttributeError:  # vLLM has no such tensor: left out, the worker reports it as a mismatch
+                    cache[key] = None
+            held = cache[key]
+            if held is None:
+                continue
+            if index is not None:
+                start = sum(sizes[fused][:index])
+                held = held[start : start + sizes[fused][index]]
+            out[name] = [str(held.dtype).removeprefix("torch."), tensor_checksum(held)]
+        return out

@@ -108,6 +108,18 @@ class Engine(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} has no weights to update")
 
+    def weight_checksums(self, mode: str, names: list[str]) -> dict[str, tuple[str, int] | None]:
+        """Post-sync verification (:mod:`asyncrl.weights.verify`): ``(dtype, checksum)`` of what the engine holds
+        now under each of the trainer's tensor ``names`` of ``mode`` (``full``: HF state dict names; ``lora``:
+        peft adapter names), computed from the engine's own parameters with
+        :func:`~asyncrl.weights.verify.tensor_checksum`. A name the engine does not hold is left out (a
+        mismatch); one it cannot read maps to None (counted as unverifiable).
+
+        Raises:
+            NotImplementedError: for engines without weights (the worker then skips verification).
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no weights to verify")
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases engine resources."""
 

@@ -238,6 +238,19 @@ class HFEngine(Engine):
             raise ValueError(f"unknown weight update mode {update.mode!r}; expected 'full' or 'lora'")
         self.policy_version = update.version
 
+    def weight_checksums(self, mode: str, names: list[str]) -> dict[str, tuple[str, int] | None]:
+        """``(dtype, checksum)`` of the module's own tensors: its state dict (``full``) or its peft adapter's state
+        dict (``lora``; none before the first adapter is loaded)."""
+        from asyncrl.weights.verify import tensor_checksum
+
+        if mode == "lora":
+            from peft import get_peft_model_state_dict
+
+            held = get_peft_model_state_dict(self.model) if self._lora_config is not None else {}
+        else:
+            held = self.model.state_dict() if self._lora_config is None else {}  # an adapter renames the base
+        return {n: (str(held[n].dtype).removeprefix("torch."), tensor_checksum(held[n])) for n in names if n in held}
+
     def _apply_full(self, tensors: dict[str, torch.Tensor]) -> None:
         # Validated against the base model's names before anything changes, adapter or not.
         self._check_names("full", set(tensors), set(self._base_shapes))

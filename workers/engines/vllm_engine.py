@@ -8,9 +8,15 @@ Settings come from the engine config: ``dtype``, ``max_model_len``, ``enforce_ea
 and the KV cache either as ``kv_cache_bytes`` (CPU runs; the tiny model's default) or, with ``kv_cache_bytes:
 null``, as ``gpu_memory_utilization`` of the GPU. vLLM runs on the GPUs its process sees (``worker.devices``).
 
-Weights: a full update goes as safetensors bytes to a worker extension that calls
-``reload_weights``; a LoRA update is written as a peft adapter directory and served with
-``LoRARequest(..., load_inplace=True)`` (a plain re-send would serve the cached adapter). After
+Weights: a full update goes through vLLM's native weight-transfer API (``start_weight_update`` /
+``update_weights`` / ``finish_weight_update(weight_version=...)``) to asyncrl's transfer engine
+(:mod:`workers.engines._vllm_transfer`), which loads the receiver's staged views in place: by reference when
+vLLM's worker runs in this process (the default), from the shm segment's file when it runs in another. Fallback,
+counted in ``weight_transfer_stats["rpc"]``: safetensors bytes to the worker extension's ``reload_weights`` when
+vLLM's worker is another process and the update is not in a shm segment (zmq/nccl receivers with
+``VLLM_ENABLE_V1_MULTIPROCESSING=1`` or tensor parallelism). A LoRA update is written as a peft adapter
+directory and served with ``LoRARequest(..., load_inplace=True)`` (a plain re-send would serve the cached
+adapter). After
 each update the engine labels vLLM's weights with the policy version (``update_weight_version``),
 so every output reports per-token ``weight_versions`` spans and the rollout's version is read
 from vLLM, not assumed. The engine runs in-process by default (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
@@ -58,6 +64,13 @@ class VLLMEngine(Engine):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         from vllm import LLM
 
+        from workers.engines import _vllm_transfer
+
+        _vllm_transfer.register()  # vLLM's worker in this process; in another one _vllm_ext's import registers it
+        self._in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and config.tensor_parallel_size == 1
+        self.weight_transfer_stats = {"native": 0, "rpc": 0}
+        """Full updates loaded through vLLM's weight-transfer API / through the safetensors-bytes fallback."""
+
         self.config = config
         lora = {}
         if config.lora_rank:
@@ -77,6 +90,7 @@ class VLLMEngine(Engine):
             **memory,
             logprobs_mode="processed_logprobs",
             worker_extension_cls="workers.engines._vllm_ext.AsyncrlWorkerExtension",
+            weight_transfer_config={"backend": _vllm_transfer.BACKEND},
             **lora,
         )
         self.tokenizer = self.llm.get_tokenizer()
@@ -167,10 +181,7 @@ class VLLMEngine(Engine):
         if update.version < self.policy_version and getattr(update, "incarnation", "") == self.incarnation:
             raise ValueError(f"weight update {update.version=} is older than the engine's {self.policy_version=}")
         if update.mode == "full":
-            from safetensors.torch import save
-
-            payload = save({k: v.contiguous() for k, v in update.tensors.items()})
-            self.llm.collective_rpc("asyncrl_reload_weights", args=(payload,))
+            self._load_full(update)
         elif update.mode == "lora":
             self._write_adapter(update)
         else:
@@ -178,6 +189,40 @@ class VLLMEngine(Engine):
         self.llm.reset_prefix_cache()
         self.llm.update_weight_version(str(update.version))
         self.policy_version = update.version
+
+    def _load_full(self, update: Any) -> None:
+        """One full update: vLLM's weight-transfer API when its worker can reach the tensors, else the RPC fallback.
+
+        Raises:
+            ValueError (from vLLM's worker): a tensor the model lacks or of the wrong shape; nothing was loaded.
+        """
+        from workers.engines import _vllm_transfer
+
+        info = _vllm_transfer.offer(update)
+        try:
+            segment = info.get("segment")
+            if self._in_process or (segment is not None and os.path.exists(segment["path"])):
+                self.llm.start_weight_update()
+                self.llm.update_weights({"update_info": info})  # on an error the engine restored the old weights
+                self.llm.finish_weight_update(weight_version=str(update.version))
+                self.weight_transfer_stats["native"] += 1
+                return
+        finally:
+            _vllm_transfer.withdraw(info)
+        from safetensors.torch import save
+
+        payload = save({k: v.contiguous() for k, v in update.tensors.items()})
+        self.llm.collective_rpc("asyncrl_reload_weights", args=(payload,))
+        self.weight_transfer_stats["rpc"] += 1
+
+    def weight_checksums(self, mode: str, names: list[str]) -> dict[str, tuple[str, int] | None]:
+        """``full``: computed by the worker extension over the model runner's parameters (fused ``qkv_proj`` /
+        ``gate_up_proj`` sliced back into the trainer's names). ``lora``: vLLM loads an adapter lazily, at the
+        next request that names it, so none can be read at the safe point: every name is unverifiable (None)."""
+        if mode != "full":
+            return {n: None for n in names}
+        held = self.llm.collective_rpc("asyncrl_weight_checksums", args=(list(names),))[0]
+        return {n: None if v is None else (v[0], int(v[1])) for n, v in held.items()}
 
     def _write_adapter(self, update: Any) -> None:
         from safetensors.torch import save_file
