@@ -54,12 +54,12 @@ from asyncrl.debug.detectors import DebugConfig, Debugger
 from asyncrl.dump import write_dump
 from asyncrl.guard import GuardConfig, UpdateGuard
 from asyncrl.lifeline import die_with_parent
+from asyncrl.policy_sync import PolicySync
 from asyncrl.logprobs import token_logprobs
 from asyncrl.losses import LossConfig, group_advantages, mismatch_metrics, policy_loss
 from asyncrl.run_dir import RunDirLock, RunDirLocked, truncate_records
 from asyncrl.timeline import new_incarnation
 from asyncrl.weights import setup_weight_broadcaster
-from asyncrl.weights.state import policy_state
 from asyncrl.data import DataConfig, load_prompts
 from workers.tiny_model import build_tiny_model
 
@@ -336,7 +336,6 @@ class GRPORecipe:
             address = [self.broadcaster.address]
         dist.broadcast_object_list(address, src=0)
         self.weights_address = address[0]
-        self.publish()  # the current version: workers start from the trainer's weights, not the model dir's
 
     def _build_loader(self) -> None:
         cfg = self.cfg
@@ -350,23 +349,14 @@ class GRPORecipe:
         gate = dataclasses.replace(cfg.rollout.gate, vocab_size=cfg.rollout.gate.vocab_size or self.policy.config.vocab_size)
         loader_cfg = dataclasses.replace(cfg.rollout, worker=worker, drop_remainder=True, gate=gate)
         self.loader = RolloutLoader(self.prompts, loader_cfg, incarnation=self.incarnation)
-        self.loader.set_policy_version(self.version)
+        # the one owner of the policy version; publishes the current one: workers start from the trainer's weights
+        self.sync = PolicySync(self.model, self.loader, self.broadcaster, version=self.version,
+                               mode="lora" if cfg.lora.rank else "full", bucket_bytes=cfg.weights.bucket_bytes)
         if self.rank == 0 and not loader_cfg.num_workers:  # remote workers: tell the operator where to point them
             connect = " ".join(f"--connect {e}" for e in self.loader.endpoints)
             print(f"start workers with: asyncrl worker {connect} --set worker.weights.type={cfg.weights.type} "
                   f"--set worker.weights.address={self.weights_address} --set worker.engine.type=<hf|vllm> "
                   f"--set worker.engine.model=<dir>", file=sys.stderr, flush=True)
-
-    # -- weights -----------------------------------------------------------------------------------------------------
-    def publish(self) -> None:
-        """Rank 0 publishes the current weights as ``self.version``; with FSDP2 every rank takes part in the
-        bucket-by-bucket gathers (asyncrl.weights.state)."""
-        state = policy_state(self.model, "lora" if self.cfg.lora.rank else "full", bucket_bytes=self.cfg.weights.bucket_bytes)
-        with state:
-            if self.broadcaster is not None:
-                self.last_publish = self.broadcaster.publish(state, self.version, mode=state.mode,
-                                                             lora_config=state.lora_config, incarnation=self.incarnation)
-        self.last_publish_bytes = state.nbytes  # payload: what crosses the wire
 
     # -- train -------------------------------------------------------------------------------------------------------
     def train(self) -> None:
@@ -423,18 +413,10 @@ class GRPORecipe:
         # before the publish: rollouts the gate rejects from here on were made with the new weights (next step's)
         transport = (self.loader.stats()["transport"] | {"rejected_rollouts": self.loader.rejected_rollouts()}
                      if self.debugger is not None else None)
-        weight_bytes = 0
-        publish_s = 0.0
-        # the batch fed this step, accepted or not: commit it; the pool's version moves before the weights are
-        # published, so no worker holds weights newer than its pool's trainer
-        self.loader.set_policy_version(self.version + accepted)
-        if accepted:
-            self.version += 1
-            t_publish = time.perf_counter()
-            self.publish()
-            publish_s = time.perf_counter() - t_publish
-            weight_bytes = self.last_publish_bytes
-        elif self.debugger is None:  # with the debugger on, a rejection is one of its anomalies (and dumps)
+        # the batch fed this step is committed, accepted or not; the pool's version moves before the publish
+        published = self.sync.commit(accepted)
+        self.version, weight_bytes, publish_s = published.policy_version, published.weight_bytes, published.publish_s
+        if not accepted and self.debugger is None:  # with the debugger on, a rejection is one of its anomalies (and dumps)
             self._dump(batch, rewards, reason, loss, grad_norm, ratio)
         if self.debugger is not None:
             record = self.debugger.observe(
