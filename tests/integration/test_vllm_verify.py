@@ -44,8 +44,7 @@ def _swap_q_and_k(tensors: dict[str, torch.Tensor], layer: int) -> dict[str, tor
 
 
 def test_vllm_full_update_verifies_and_swapped_q_k_are_named(engine, model_dir, monkeypatch):
-    from workers.engines import _vllm_ext
-    from safetensors.torch import load, save
+    from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 
     worker, receiver = _worker(engine, WeightVerifier("full"))
     new = perturbed(load_model(model_dir))
@@ -53,12 +52,13 @@ def test_vllm_full_update_verifies_and_swapped_q_k_are_named(engine, model_dir, 
     assert status["weight_mismatch"] == 0, worker.verifier.last.describe()
     assert sorted(worker.verifier.last.checked) == sorted(new) and not worker.verifier.last.unverifiable
 
-    real = _vllm_ext.AsyncrlWorkerExtension.asyncrl_reload_weights
+    # vLLM's worker runs in this process (the engine's default): every load path ends in the model's load_weights
+    real = Qwen2ForCausalLM.load_weights
 
-    def mismapped(self, payload: bytes) -> int:
-        return real(self, save(_swap_q_and_k(load(payload), layer=1)))
+    def mismapped(self, weights):
+        return real(self, iter(_swap_q_and_k(dict(weights), layer=1).items()))
 
-    monkeypatch.setattr(_vllm_ext.AsyncrlWorkerExtension, "asyncrl_reload_weights", mismapped)
+    monkeypatch.setattr(Qwen2ForCausalLM, "load_weights", mismapped)
     newer = {n: t + 0.01 for n, t in new.items()}
     status = _apply(worker, receiver, WeightUpdate(version=2, mode="full", tensors=newer))
     assert status["weight_mismatch"] == 1
@@ -66,7 +66,7 @@ def test_vllm_full_update_verifies_and_swapped_q_k_are_named(engine, model_dir, 
                                                        for p in ("k", "q") for k in ("bias", "weight")]
     assert "model.layers.1.self_attn.k_proj.bias" in status["weight_mismatch_tensors"]
 
-    monkeypatch.setattr(_vllm_ext.AsyncrlWorkerExtension, "asyncrl_reload_weights", real)
+    monkeypatch.setattr(Qwen2ForCausalLM, "load_weights", real)
     status = _apply(worker, receiver, WeightUpdate(version=3, mode="full", tensors={n: t + 0.02 for n, t in new.items()}))
     assert status["weight_mismatch"] == 1 and worker.verifier.last.ok  # fixed: verifies again, the count stays
 
