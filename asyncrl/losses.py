@@ -29,8 +29,8 @@ import functools
 import importlib
 import inspect
 import math
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -39,6 +39,7 @@ from asyncrl.rewards import UNSCORED
 
 __all__ = [
     "LossConfig",
+    "all_reduce_sum",
     "compute_advantages",
     "compute_loss",
     "group_advantages",
@@ -240,16 +241,17 @@ def compute_advantages(
         advantages = centered
     elif scale_rewards == "group":
         sq = torch.zeros(groups, device=values.device).index_add_(0, inverse, centered.square())
-        std = (sq / (count - 1)).sqrt()  # NaN (0/0) or inf for groups of one: advantage 0 below, as TRL's nanstd
-        advantages = centered / (torch.where(count > 1, std, torch.full_like(std, math.nan))[inverse] + eps)
+        # a group of one has no std (TRL: NaN, then advantage 0); its centered reward is 0, so std 0 gives 0 too
+        std = torch.where(count > 1, sq / (count - 1).clamp(min=1), torch.zeros_like(sq)).sqrt()
+        advantages = centered / (std[inverse] + eps)
     else:
         totals = torch.stack([keep.float().sum(), x.sum(), x.square().sum()])
         totals = all_reduce(totals) if all_reduce is not None else totals
         n, total, total_sq = totals.unbind()
-        var = (total_sq - total.square() / n) / (n - 1)
-        std = var.clamp(min=0).sqrt() if n > 1 else torch.full_like(var, math.nan)
-        advantages = centered / (std + eps)
-    return torch.where(keep, advantages, torch.zeros_like(advantages)).nan_to_num(nan=0.0)
+        var = (total_sq - total.square() / n.clamp(min=1)) / (n - 1).clamp(min=1)
+        advantages = centered / (var.clamp(min=0).sqrt() + eps)
+    # a non-finite reward stays non-finite (the update guard rejects the step); unscored rows get 0
+    return torch.where(keep, advantages, torch.zeros_like(advantages))
 
 
 def _aggregate(
@@ -506,12 +508,12 @@ def load_loss_fn(spec: str) -> Callable[..., Any]:
     """Imports a user loss, ``"module:function"`` (``loss.fn``).
 
     Raises:
-        ValueError: for a spec without ``:`` or an attribute that is not callable.
+        TypeError: for a spec that names no callable (``module:function``).
     """
     module, _, name = spec.partition(":")
     fn = getattr(importlib.import_module(module), name, None) if name else None
     if not callable(fn):
-        raise ValueError(f"loss.fn={spec!r} must name a function as 'module:function'")
+        raise TypeError(f"loss.fn={spec!r} must name a function as 'module:function'")
     return fn
 
 
@@ -588,3 +590,15 @@ def compute_loss(
         delta = torch.where(valid, ref_logprobs - logprobs.detach(), torch.zeros((), device=device))
         metrics["kl"] = float((delta.exp() - delta - 1).sum() / valid.sum().clamp(min=1))
     return loss.reshape(()), metrics, advantages
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sums ``t`` over the default process group in place and returns it; ``t`` itself without a process group.
+
+    The ``all_reduce`` of :func:`compute_loss` for DDP / FSDP2 ranks (every rank must call the loss each step).
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t

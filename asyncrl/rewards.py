@@ -60,6 +60,7 @@ __all__ = [
     "RewardSet",
     "arithmetic_reward",
     "completion_text",
+    "component_means",
     "fake_reward",
     "format_reward",
     "load_reward_func",
@@ -208,7 +209,8 @@ def load_reward_func(spec: str) -> tuple[str, Callable[..., Any]]:
     (the built-ins: their short name), under which its rewards are logged.
 
     Raises:
-        ValueError: for an unknown name, a spec without ``:``, or an attribute that is not callable.
+        ValueError: for an unknown name or a spec without ``:``.
+        TypeError: for an attribute that is not callable.
     """
     if spec in BUILTIN:
         return spec, BUILTIN[spec]
@@ -217,7 +219,7 @@ def load_reward_func(spec: str) -> tuple[str, Callable[..., Any]]:
         raise ValueError(f"reward function {spec!r} must be one of {sorted(BUILTIN)} or 'module:function'")
     fn = getattr(importlib.import_module(module), attr, None)
     if not callable(fn):
-        raise ValueError(f"reward function {spec!r}: {module} has no callable {attr!r}")
+        raise TypeError(f"reward function {spec!r}: {module} has no callable {attr!r}")
     return getattr(fn, "__name__", attr), fn
 
 
@@ -413,3 +415,27 @@ def _trl_arguments(prompts: Sequence[Any], completions: Sequence[Any], decode) -
         "completion_ids": [[int(i) for i in c.response_ids.tolist()] for c in completions],
         "finish_reason": [c.finish_reason for c in completions],
     }
+
+
+def component_means(components: dict[str, Any]) -> dict[str, float]:
+    """Mean of each reward component over the rows that have it (a batch's ``reward_components``: name -> ``[B]``
+    with NaN where missing), over all ranks of the default process group when there is one (every rank must call
+    it: one small ``all_gather_object``, since ranks may have seen different components)."""
+    import torch
+    import torch.distributed as dist
+
+    local = {}
+    for name, values in components.items():
+        seen = ~torch.isnan(values)
+        local[name] = (float(values[seen].sum()), int(seen.sum()))
+    parts = [local]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, local)
+    totals: dict[str, list[float]] = {}
+    for part in parts:
+        for name, (total, n) in part.items():
+            acc = totals.setdefault(name, [0.0, 0])
+            acc[0] += total
+            acc[1] += n
+    return {name: total / n for name, (total, n) in sorted(totals.items()) if n}

@@ -4,7 +4,8 @@ Rows are the rollouts of the groups in order (group ``g``'s ``n`` rollouts are r
 Each row is ``prompt_ids + response_ids``, right-padded. Masks and per-token values are aligned to
 ``input_ids`` positions: ``rollout_logprobs[b, t]`` is the rollout-side logprob of ``input_ids[b, t]``
 (so a trainer compares it with ``log_softmax(logits[b, t-1])[input_ids[b, t]]``), and
-``loss_mask[b, t]`` is True exactly at generated response tokens.
+``loss_mask[b, t]`` is True exactly at generated response tokens. ``reward_components`` holds each reward
+component per row (NaN where a rollout lacks it), for the recipe's per-function reward means.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def collate_groups(groups: list[Group], pad_token_id: int = 0) -> TrainBatch:
         "rollout_logprobs": logprobs,
         "token_versions": token_versions,
         "rewards": torch.tensor([r.reward for r in rollouts], dtype=torch.float32),
+        "reward_components": _components(rollouts),
         "policy_versions": torch.tensor([r.policy_version for r in rollouts], dtype=torch.long),
         "group_index": torch.tensor([g for g, grp in enumerate(groups) for _ in grp.rollouts], dtype=torch.long),
         "prompt_lengths": torch.tensor([int(r.prompt_ids.numel()) for r in rollouts], dtype=torch.long),
@@ -58,3 +60,11 @@ def collate_groups(groups: list[Group], pad_token_id: int = 0) -> TrainBatch:
         "finish_reasons": [r.finish_reason for r in rollouts],
         "num_tokens": sum(lengths),
     }
+
+
+def _components(rollouts: list) -> dict[str, torch.Tensor]:
+    """``name -> [B]`` float32 of each reward component (``asyncrl.rewards``: one per reward function, plus
+    extras), NaN in rows that do not have it (a function that returned None for them)."""
+    names = sorted({k for r in rollouts for k in r.reward_components})
+    return {k: torch.tensor([r.reward_components.get(k, float("nan")) for r in rollouts], dtype=torch.float32)
+            for k in names}

@@ -49,14 +49,16 @@ import yaml
 from asyncrl import LoaderConfig, RolloutLoader
 from asyncrl.checkpoint import SAVE_POINTS, CheckpointDir
 from asyncrl.codec import dumps_json
-from asyncrl.config import WeightSyncConfig, from_dict
+from asyncrl.config import RewardConfig, WeightSyncConfig, from_dict
 from asyncrl.debug.detectors import DebugConfig, Debugger
 from asyncrl.dump import write_dump
 from asyncrl.guard import GuardConfig, UpdateGuard
 from asyncrl.lifeline import die_with_parent
 from asyncrl.policy_sync import PolicySync
 from asyncrl.logprobs import token_logprobs
-from asyncrl.losses import LossConfig, group_advantages, mismatch_metrics, policy_loss
+from asyncrl.losses import LossConfig, all_reduce_sum, compute_loss, mismatch_metrics
+from asyncrl.reference import ReferencePolicy
+from asyncrl.rewards import RewardSet, component_means
 from asyncrl.run_dir import RunDirLock, RunDirLocked, truncate_records
 from asyncrl.timeline import new_incarnation
 from asyncrl.weights import setup_weight_broadcaster
@@ -127,6 +129,8 @@ class RecipeConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    reward: RewardConfig | None = None
+    """``reward.funcs`` / ``reward.weights`` (asyncrl.rewards); None: ``rollout.worker.reward``."""
     guard: GuardConfig = field(default_factory=GuardConfig)
     lora: LoraSettings = field(default_factory=LoraSettings)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -203,6 +207,8 @@ class GRPORecipe:
             self._truncate_records()
         elif cfg.train.sft_steps and not cfg.lora.rank:
             self._sft_warmup()
+        self.reference = self._build_reference(fresh=latest is None) if cfg.loss.beta > 0 else None
+        cfg.loss.max_completion_length = cfg.loss.max_completion_length or cfg.rollout.worker.engine.max_new_tokens
         self._start_weight_sync()
         self._build_loader()
         if self.resume and latest is not None:
@@ -291,6 +297,23 @@ class GRPORecipe:
         self.optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         self.guard = UpdateGuard(self.model, self.optimizer, cfg.guard, grad_clip=cfg.train.grad_clip)
 
+    def _build_reference(self, fresh: bool) -> ReferencePolicy:
+        """The KL's reference (``loss.beta > 0``, asyncrl.reference): under LoRA the policy with its adapters off,
+        else a frozen copy of the policy the run started from: the model directory, or after a full warm start
+        the warmed policy, saved once into ``{run_dir}/model-ref`` so that a resumed run gets the same one."""
+        cfg = self.cfg
+        if cfg.lora.rank:
+            return ReferencePolicy.of_peft(self.policy)
+        ref_dir = self.model_dir if not cfg.train.sft_steps else str(self.run_dir / "model-ref")
+        if cfg.train.sft_steps and fresh:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if self.rank == 0:
+                self.policy.save_pretrained(ref_dir, state_dict={k.removeprefix("module."): v for k, v in full.items()})
+            dist.barrier()
+        return ReferencePolicy.load(ref_dir, dtype=cfg.model.dtype, device=self.device)
+
     def _sft_warmup(self) -> None:
         """Brief supervised steps on the answers, so the policy starts with some reward signal."""
         cfg = self.cfg.train
@@ -341,10 +364,12 @@ class GRPORecipe:
         cfg = self.cfg
         worker = dataclasses.replace(
             cfg.rollout.worker,
+            reward=cfg.reward or cfg.rollout.worker.reward,
             weights=dataclasses.replace(cfg.weights, address=self.weights_address),
             engine=dataclasses.replace(cfg.rollout.worker.engine, model=self.model_dir, lora_rank=cfg.lora.rank,
                                        dtype=cfg.model.dtype),
         )
+        RewardSet.from_config(worker.reward).close()  # an unknown reward function fails here, not in every worker
         # the gate refuses token ids outside the model's vocabulary (a forged or broken worker's)
         gate = dataclasses.replace(cfg.rollout.gate, vocab_size=cfg.rollout.gate.vocab_size or self.policy.config.vocab_size)
         loader_cfg = dataclasses.replace(cfg.rollout, worker=worker, drop_remainder=True, gate=gate)
@@ -399,11 +424,11 @@ class GRPORecipe:
         t0 = time.perf_counter()
         logp = token_logprobs(self.model, ids, attn, temperature=engine.temperature, top_k=engine.top_k,
                               top_p=engine.top_p, grad=True)
-        advantages = group_advantages(dev(rewards), dev(batch["group_index"]))
-        loss, loss_metrics = policy_loss(
-            logp, logp.detach(), dev(batch["rollout_logprobs"]), advantages, mask, config=cfg.loss,
-            token_versions=dev(batch["token_versions"]), trainer_version=self.version,
-        )
+        ref = (None if self.reference is None else  # loss.beta > 0: the frozen reference's logprobs, for the KL
+               self.reference.logprobs(ids, attn, temperature=engine.temperature, top_k=engine.top_k, top_p=engine.top_p))
+        loss, loss_metrics, advantages = compute_loss(  # advantages, then the loss_type's loss or the user's loss.fn
+            {**batch, "rewards": rewards}, logp, config=cfg.loss, trainer_version=self.version, ref_logprobs=ref,
+            all_reduce=all_reduce_sum)
         mismatch = mismatch_metrics(logp.detach(), dev(batch["rollout_logprobs"]), mask)
         self.optimizer.zero_grad(set_to_none=True)  # the warm start's optimizer leaves its last gradients
         lr = cfg.train.lr * min(1.0, self.step / max(1, cfg.train.warmup_steps))
@@ -453,6 +478,9 @@ class GRPORecipe:
             "publish_s": publish_s,
             "train_s": time.perf_counter() - t0 - publish_s,
             **{f"loss/{k}": v for k, v in loss_metrics.items()},
+            **({"kl": loss_metrics["kl"]} if "kl" in loss_metrics else {}),  # loss.beta > 0 (TRL's name)
+            # each reward function's unweighted mean over all ranks (TRL's rewards/<name>/mean)
+            **{f"rewards/{k}/mean": v for k, v in component_means(batch.get("reward_components", {})).items()},
             **{f"mismatch/{k}": v for k, v in mismatch.items()},
         }
 
@@ -468,6 +496,8 @@ class GRPORecipe:
             "batch": {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)} | {"rewards": rewards},
             "uids": batch["uids"],
             "group_ids": batch["group_ids"],
+            "finish_reasons": batch["finish_reasons"],
+            "reward_components": batch.get("reward_components", {}),  # per reward function (asyncrl.rewards)
         }
         path = write_dump(self.run_dir / "dumps" / f"step-{self.step:06d}-rank{self.rank}.msgpack", "rejected_batch", body)
         print(f"[rank {self.rank}] step {self.step}: update rejected ({reason}); batch dumped to {path}", file=sys.stderr)
@@ -601,9 +631,16 @@ def replay_rejection(dump_path: str | os.PathLike, checkpoint: str | os.PathLike
     engine = cfg.rollout.worker.engine
     logp = token_logprobs(model, b["input_ids"], b["attention_mask"], temperature=engine.temperature,
                           top_k=engine.top_k, top_p=engine.top_p, grad=True)
-    advantages = group_advantages(b["rewards"], b["group_index"])
-    loss, _ = policy_loss(logp, logp.detach(), b["rollout_logprobs"], advantages, b["loss_mask"], config=cfg.loss,
-                          token_versions=b["token_versions"], trainer_version=body["policy_version"])
+    b |= {"finish_reasons": body.get("finish_reasons", ["stop"] * len(b["rewards"])),
+          "reward_components": body.get("reward_components", {})}
+    ref = None
+    if cfg.loss.beta > 0:  # the run's reference: the model directory, or the warmed policy it saved
+        warmed = Path(cfg.run_dir) / "model-ref"
+        ref = ReferencePolicy.load(warmed if cfg.train.sft_steps and not cfg.lora.rank else model_dir,
+                                   dtype=cfg.model.dtype).logprobs(b["input_ids"], b["attention_mask"],
+                                                                   temperature=engine.temperature, top_k=engine.top_k,
+                                                                   top_p=engine.top_p)
+    loss, _, _ = compute_loss(b, logp, config=cfg.loss, trainer_version=body["policy_version"], ref_logprobs=ref)
     loss.backward()
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip))
     if not math.isfinite(float(loss.detach())) or not math.isfinite(grad_norm):

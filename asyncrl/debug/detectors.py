@@ -290,6 +290,8 @@ class Debugger:
             "batch": tensors,
             "trainer_logprobs": trainer_logprobs.detach().float().cpu(),
             "advantages": advantages.detach().float().cpu(),
+            "reward_components": {k: v.detach().cpu() for k, v in batch.get("reward_components", {}).items()},
+            "finish_reasons": list(batch.get("finish_reasons", [])),
             "uids": list(batch["uids"]),
             "group_ids": list(batch["group_ids"]),
             "worker_ids": list(batch["worker_ids"]),

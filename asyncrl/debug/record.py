@@ -135,6 +135,8 @@ def step_record(
     }
     if gen_s is not None:
         dist["generate_s"] = summarize(gen_s.float())
+    for name, values in batch.get("reward_components", {}).items():  # per reward function (asyncrl.rewards)
+        dist[f"reward/{name}"] = summarize(values[~values.isnan()])  # NaN: the function did not score that row
     return {
         "step": step,
         "rank": rank,

@@ -80,7 +80,7 @@ def _loss(config: LossConfig, adv=ADV_NONE, **kw):
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 def test_each_loss_type_by_hand(loss_type):
     config = LossConfig(loss_type=loss_type, correction="none", max_completion_length=4)
-    loss, metrics, grad = _loss(config)
+    loss, _, grad = _loss(config)
     close(loss, EXPECTED[loss_type])
     # d loss / d logp at a token = -A * (its weight): grpo 1 / (4 * row length), bnpo and dapo 1/7, dr_grpo 1/16
     weight = {"grpo": 1 / (4 * MASK.sum(-1, keepdim=True).float()), "bnpo": 1 / 7, "dapo": 1 / 7, "dr_grpo": 1 / 16}
@@ -145,7 +145,7 @@ def _batch(finish=("stop", "stop", "stop", "length")) -> dict:
 
 def test_compute_loss_is_advantages_then_the_loss():
     config = LossConfig(loss_type="bnpo", scale_rewards="none", correction="none", mask_truncated_completions=True)
-    loss, metrics, adv = compute_loss(_batch(), LP.clone().requires_grad_(True), config=config)
+    loss, _, adv = compute_loss(_batch(), LP.clone().requires_grad_(True), config=config)
     torch.testing.assert_close(adv, ADV_NONE)
     close(loss, -3 / 6)  # the truncated row 3 is out
     unscored = _batch()
@@ -222,7 +222,7 @@ def not_a_scalar(batch, logprobs, **kwargs):
 def test_a_user_loss_gets_the_batch_logprobs_and_advantages():
     config = LossConfig(fn="tests.unit.test_loss_variants:reinforce", scale_rewards="none")
     lp = LP.clone().requires_grad_(True)
-    loss, metrics, adv = compute_loss(_batch(), lp, config=config)
+    loss, metrics, _ = compute_loss(_batch(), lp, config=config)
     close(loss, float(torch.where(MASK, -ADV_NONE[:, None] * LP, torch.zeros(())).sum() / 7))
     assert metrics["tokens"] == 7 and metrics["loss"] == pytest.approx(float(loss))
     with pytest.raises(TypeError, match="must return a scalar tensor"):
@@ -239,3 +239,8 @@ def test_old_names_still_work():
     assert LossConfig(epsilon=0.3).epsilon_high == 0.3 and LossConfig(scale_rewards=False).scale_rewards == "none"
     with pytest.raises(ValueError, match="loss.loss_type"):
         LossConfig(aggregation="batch")
+
+
+def test_a_nan_reward_is_not_hidden_from_the_guard():
+    adv = compute_advantages(torch.tensor([1.0, math.nan, 2.0, 0.0]), GROUPS, scale_rewards="group")
+    assert adv[:2].isnan().all() and adv[2:].isfinite().all()

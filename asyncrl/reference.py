@@ -1,0 +1,71 @@
+"""The reference policy of the KL penalty (``loss.beta > 0``): frozen, never trained, published or checkpointed.
+
+::
+
+    trainer step:  batch ──► policy logprobs (grad) ──┐
+                        └──► reference logprobs ──────┴──► compute_loss(..., ref_logprobs)  (k3 KL, logged)
+
+As TRL builds it: a frozen copy of the initial policy (:meth:`ReferencePolicy.load`: the weights the run
+started from, read from a model directory, so a resumed run gets the same reference), or, when the policy is a
+peft model being trained from a fresh adapter, the policy itself with its adapters disabled
+(:meth:`ReferencePolicy.of_peft`: no second copy of the base). Its logprobs use the same sampling settings
+(temperature, top-k, top-p) as the trainer's, so the KL compares like with like. The trainer's step blocks in
+:meth:`ReferencePolicy.logprobs` for one forward pass without gradients. Under FSDP2 each rank holds a whole
+copy (the reference is small next to the optimizer state; sharding it is future work).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncrl.logprobs import token_logprobs
+
+__all__ = ["ReferencePolicy"]
+
+
+class ReferencePolicy:
+    """A frozen policy whose logprobs the KL term compares with.
+
+    Args:
+        model: the reference model (frozen here), or the peft policy whose adapters are disabled for it.
+        disable_adapters: True for a peft policy (``model.disable_adapter()`` around each forward).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, disable_adapters: bool = False):
+        self.model = model
+        self.disable_adapters = disable_adapters
+        if not disable_adapters:
+            model.eval()
+            model.requires_grad_(False)
+
+    @classmethod
+    def load(cls, path: str | Path, *, dtype: str = "float32", device: str | torch.device = "cpu") -> ReferencePolicy:
+        """A frozen copy of the model saved in ``path`` (an HF directory: the run's initial policy)."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+        return cls(model.to(device))
+
+    @classmethod
+    def of_peft(cls, policy: torch.nn.Module) -> ReferencePolicy:
+        """The base of a peft policy: its forward with the adapters disabled (TRL's reference under LoRA).
+
+        Raises:
+            TypeError: when ``policy`` has no ``disable_adapter()`` (not a peft model).
+        """
+        if not hasattr(policy, "disable_adapter"):
+            raise TypeError(f"{type(policy).__name__} is not a peft model (no disable_adapter()); load the "
+                            "reference with ReferencePolicy.load(model_dir) instead")
+        return cls(policy, disable_adapters=True)
+
+    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+        """``[B, L]`` reference logprobs of a batch, as :func:`asyncrl.logprobs.token_logprobs` (no gradient)."""
+        context: Any = self.model.disable_adapter() if self.disable_adapters else contextlib.nullcontext()
+        with context:
+            return token_logprobs(self.model, input_ids, attention_mask, temperature=temperature, top_k=top_k,
+                                  top_p=top_p, grad=False)
