@@ -205,12 +205,13 @@ class DeltaCodec:
             gaps = np.diff(pos, prepend=np.uint32(0))  # the first gap is the first position
             z_gaps = self._cctx.compress(_shuffle(gaps)) if pos.size else b""
             z_vals = self._cctx.compress(_shuffle(values)) if pos.size else b""
-            payload = np.frombuffer(z_gaps + z_vals, dtype=np.uint8)
+            payload = np.frombuffer(z_gaps + z_vals, dtype=np.uint8).copy()  # writable: torch.from_numpy
             best = BucketDelta(encoding="sparse", count=int(pos.size), split=len(z_gaps), payload=payload, **meta)
         if positions.size > XOR_DENSITY * nwords:
             z = self._cctx.compress(x.view(np.uint8))
             if best is None or len(z) < best.wire_nbytes:
-                best = BucketDelta(encoding="xor", count=0, split=0, payload=np.frombuffer(z, dtype=np.uint8), **meta)
+                best = BucketDelta(encoding="xor", count=0, split=0, payload=np.frombuffer(z, dtype=np.uint8).copy(),
+                                   **meta)
         return best if best is not None and best.wire_nbytes < new.nbytes else None
 
     # -- receiver ------------------------------------------------------------------------------
@@ -279,14 +280,15 @@ def _u8(data: torch.Tensor | np.ndarray) -> np.ndarray:
 
 
 def encode_bucket(codec: DeltaCodec, bucket: Bucket, data: torch.Tensor | np.ndarray, base_bucket: Bucket | None,
-                  base_data: torch.Tensor | np.ndarray | None, *, base_version: int,
-                  base_incarnation: str) -> BucketDelta | None:
-    """Broadcaster: ``bucket`` (whose ``checksum`` is set; bytes ``data``) as a delta against the same
-    bucket of a base version, or None (send it full) if the layouts differ or the delta is not smaller."""
+                  base_data: torch.Tensor | np.ndarray | None, *, base_version: int, base_incarnation: str,
+                  checksum: int | None = None) -> BucketDelta | None:
+    """Broadcaster: ``bucket`` (bytes ``data``, checksum ``checksum``, default ``bucket.checksum``) as a delta
+    against the same bucket of a base version, or None (send it full) if the layouts differ or the delta is
+    not smaller."""
     if base_bucket is None or base_data is None or not same_layout(bucket, base_bucket) or bucket.nbytes == 0:
         return None
     return codec.encode(_u8(data), _u8(base_data), word=delta_word(bucket), base_version=base_version,
-                        base_incarnation=base_incarnation, checksum=bucket.checksum)
+                        base_incarnation=base_incarnation, checksum=bucket.checksum if checksum is None else checksum)
 
 
 def apply_bucket(codec: DeltaCodec, base: DeltaBase, bucket: Bucket, header: Any, payload: torch.Tensor | np.ndarray,
