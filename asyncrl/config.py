@@ -198,7 +198,8 @@ class WeightSyncConfig:
     or zstd'd XOR, whichever is smaller; :mod:`asyncrl.weights.delta`) when that is smaller than the bucket;
     receivers without that base (late joiners, skipped versions, another incarnation) get full buckets. Costs
     each receiver one more copy of the weights (the base) and both ends CPU time per bucket; pays off on links
-    slower than memory (zmq over tcp), not on ``shm``. Set it on the trainer and the workers alike."""
+    slower than memory: ``zmq`` only (``shm`` receivers verify and load the shared segment in place, with no
+    per-receiver bytes a delta could save; there it is ignored). Set it on the trainer and the workers alike."""
     wait_for_first_s: float = 60.0
     """A worker waits up to this long for the current weights before it generates (late joiners)."""
     catch_up_s: float = 10.0

@@ -132,8 +132,13 @@ class RolloutWorker:
             "log_lines_suppressed": self._throttle.suppressed_total,
         }
         if self.weights is not None:
-            failures = self.weights.stats().get("failures", 0)
+            weights = self.weights.stats()
+            failures = weights.get("failures", 0)
             status["weight_sync_failures"] = failures if isinstance(failures, int) else len(failures)
+            # what crossed the wire for weights, full buckets and deltas (weights.delta), cumulative
+            status["weight_full_bytes"] = weights.get("full_bytes", 0)
+            status["weight_delta_bytes"] = weights.get("delta_bytes", 0)
+            status["weight_delta_refused"] = weights.get("delta_refused", 0)
             status["weight_apply_failures"] = self.weight_failures
             if self.verifier is not None:
                 status.update(self.verifier.status())
@@ -320,7 +325,8 @@ def run_worker(
 
         if not config.weights.address:
             raise ValueError(f"worker.weights.type={config.weights.type!r} needs worker.weights.address")
-        receiver = setup_weight_receiver(config.weights.type, config.weights.address, receiver_id=worker_id)
+        delta = {"delta": True} if config.weights.delta and config.weights.type == "zmq" else {}  # shm: none
+        receiver = setup_weight_receiver(config.weights.type, config.weights.address, receiver_id=worker_id, **delta)
         receiver.start()
     worker = RolloutWorker(
         worker_id,
