@@ -21,6 +21,17 @@ to the newest complete checkpoint and says which and why.
 A checkpoint is *complete* when its ``COMPLETE`` marker and every file the marker lists exist;
 a directory without a marker (written before markers existed) is complete when ``.metadata`` and
 every rank's loader and trainer files exist.
+
+What a checkpoint holds (:class:`Checkpointer`, usable from any loop, one process or many)::
+
+    .metadata + shards     model and optimizer (torch.distributed.checkpoint: sharded under FSDP2, any world)
+    loader-rank{r}.pt      each rank's RolloutLoader.state_dict() (ledger, leases, buffered rollouts)
+    trainer-rank{r}.pt     {"rng", "cuda_rng", "step", "policy_version", "extra"} of rank r
+    config.json ...        files rank 0 adds (``files=``)
+
+Who blocks on what: :meth:`Checkpointer.save`, :meth:`Checkpointer.resolve` and :meth:`Checkpointer.load`
+are collectives when a process group is initialised (barriers; DCP's own collectives): every rank calls
+them at the same step.
 """
 
 from __future__ import annotations
@@ -29,17 +40,24 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-__all__ = ["LATEST", "MARKER", "SAVE_POINTS", "CheckpointDir"]
+__all__ = ["LATEST", "MARKER", "MODEL", "OPTIM", "SAVE_POINTS", "CheckpointDir", "Checkpointer", "TrainerState"]
 
 LATEST = "latest"
 MARKER = "COMPLETE"
 SAVE_POINTS = ("staged", "marked", "renamed", "pointed", "pruned")
 """Where a save can be interrupted, in order (the ``hook`` is called *after* each)."""
 _NAME = re.compile(r"^step-(\d+)(?:\.(\d+))?$")
+MODEL = "model"
+"""The DCP section of the model's state dict."""
+OPTIM = "optim"
+"""The DCP section of the optimizer's state dict."""
 
 
 def rank_files(world_size: int) -> list[str]:
@@ -185,3 +203,147 @@ class CheckpointDir:
             return None, (f"{problem} and {self.root} holds no complete checkpoint; starting fresh"
                           if named is not None or self.root.exists() and any(self.root.glob("step-*")) else "")
         return candidates[-1], f"{problem}; resuming from the newest complete checkpoint, {candidates[-1].name}"
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerState:
+    """What :meth:`Checkpointer.load` restored besides the model, the optimizer and the loader."""
+
+    step: int
+    """The optimizer steps (accepted or rejected) taken when the checkpoint was saved."""
+    policy_version: int
+    """The trainer's policy version then (give it to :class:`~asyncrl.policy_sync.PolicySync`)."""
+    path: Path
+    """The checkpoint it came from."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """The caller's ``extra`` of the save (plain Python values)."""
+
+
+def _dist() -> tuple[Any, int, int]:
+    import torch.distributed as dist
+
+    on = dist.is_available() and dist.is_initialized()
+    return (dist if on else None), (dist.get_rank() if on else 0), (dist.get_world_size() if on else 1)
+
+
+class Checkpointer:
+    """Atomic checkpoints of a training loop: model + optimizer (DCP), each rank's loader state, RNG, step and
+    policy version, in a :class:`CheckpointDir` (staged, marked, renamed, then ``latest`` moves).
+
+    Args:
+        root: the checkpoints directory (``run_dir/checkpoints``).
+        model: the trained module (plain, DDP, FSDP2, peft).
+        optimizer: its optimizer.
+        loader: this rank's :class:`~datapipes.loader.RolloutLoader` (may be attached later: ``.loader = ...``,
+            before the first save; the recipe builds it after loading the model).
+        keep: complete checkpoints kept besides whatever ``latest`` names; 0 keeps all.
+        hook: called with ``(point, step)`` after each of :data:`SAVE_POINTS` on rank 0 (fault injection).
+    """
+
+    def __init__(self, root: str | os.PathLike, model: Any, optimizer: Any, loader: Any = None, *, keep: int = 2,
+                 hook: Callable[[str, int], None] | None = None):
+        self._dist, self.rank, self.world_size = _dist()
+        self.dir = CheckpointDir(root, world_size=self.world_size, keep=keep, hook=hook)
+        self.model, self.optimizer, self.loader = model, optimizer, loader
+        self.saved_step: int | None = None
+        """The step of the newest checkpoint on disk for this run (saved or loaded); a save of it is skipped."""
+
+    def _barrier(self) -> None:
+        if self._dist is not None:
+            self._dist.barrier()
+
+    def save(self, step: int, policy_version: int, *, extra: Mapping[str, Any] | None = None,
+             files: Mapping[str, bytes] | None = None) -> Path | None:
+        """Saves one complete checkpoint of ``step`` (every rank calls it). A step already on disk (the final
+        save after a periodic one of the same step, a resumed run that trained nothing) is not saved again.
+
+        Args:
+            step: optimizer steps taken.
+            policy_version: the trainer's policy version.
+            extra: plain values saved with each rank's trainer state (returned by :meth:`load`).
+            files: ``name -> bytes`` rank 0 writes into the checkpoint (e.g. the run's config).
+
+        Returns:
+            the committed checkpoint on rank 0, None on the other ranks and for a skipped save.
+        """
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        if self.loader is None:
+            raise RuntimeError("Checkpointer.save needs the loader (Checkpointer(..., loader=) or .loader = loader)")
+        if self.saved_step == step:
+            return None
+        tmp = self.dir.staging(step)
+        if self.rank == 0:
+            self.dir.stage(step)
+        self._barrier()
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({MODEL: model_state, OPTIM: optim_state}, checkpoint_id=str(tmp))
+        torch.save(self.loader.state_dict(), tmp / f"loader-rank{self.rank}.pt")
+        trainer = {"rng": torch.get_rng_state(), "step": step, "policy_version": policy_version,
+                   "extra": dict(extra or {})}
+        if torch.cuda.is_available():
+            trainer["cuda_rng"] = torch.cuda.get_rng_state_all()
+        torch.save(trainer, tmp / f"trainer-rank{self.rank}.pt")
+        self._barrier()
+        final = None
+        if self.rank == 0:
+            for name, data in (files or {}).items():
+                (tmp / name).write_bytes(data)
+            final = self.dir.commit(tmp, step)  # a crash before latest moves leaves the last good one
+        self._barrier()
+        self.saved_step = step
+        return final
+
+    def resolve(self) -> Path | None:
+        """The checkpoint to resume from, the same on every rank: ``latest`` if complete, else the newest complete
+        one (rank 0 decides, says why on stderr and points ``latest`` at it); None if there is none."""
+        choice: list[Any] = [None, ""]
+        if self.rank == 0:
+            path, note = self.dir.resolve()
+            choice = [None if path is None else str(path), note]
+            if note:
+                print(f"resume: {note}", file=sys.stderr, flush=True)
+                if path is not None:
+                    self.dir.point_latest(path)
+        if self._dist is not None:
+            self._dist.broadcast_object_list(choice, src=0)
+        return None if choice[0] is None else Path(choice[0])
+
+    def load(self, path: str | os.PathLike, *, loader: bool = True) -> TrainerState:
+        """Restores the model, the optimizer, this rank's RNG and (``loader=True``, if attached) its loader.
+
+        Raises:
+            FileNotFoundError: ``path`` lacks this rank's files (a checkpoint of another world size).
+        """
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        path = Path(path)
+        trainer_file = path / f"trainer-rank{self.rank}.pt"
+        if not trainer_file.exists():
+            raise FileNotFoundError(f"{path} has no {trainer_file.name}: it was saved by a run of another world "
+                                    f"size (this one has {self.world_size} ranks); resume with the same number")
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {MODEL: model_state, OPTIM: optim_state}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state[MODEL], optim_state_dict=state[OPTIM])
+        trainer = torch.load(trainer_file, weights_only=True)
+        torch.set_rng_state(trainer["rng"])
+        if "cuda_rng" in trainer and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(trainer["cuda_rng"])
+        if loader and self.loader is not None:
+            self.load_loader(path)
+        self.saved_step = trainer["step"]  # on disk already: a save of this same step is skipped
+        return TrainerState(step=trainer["step"], policy_version=trainer["policy_version"], path=path,
+                            extra=trainer.get("extra", {}))
+
+    def load_loader(self, path: str | os.PathLike, loader: Any = None) -> None:
+        """Restores this rank's loader state from the checkpoint ``path`` (into ``loader``, or the attached one)."""
+        import torch
+
+        if loader is not None:
+            self.loader = loader
+        self.loader.load_state_dict(torch.load(Path(path) / f"loader-rank{self.rank}.pt", weights_only=True))

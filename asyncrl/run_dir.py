@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LOCK_FILE", "RunDirLock", "RunDirLocked", "truncate_records"]
+__all__ = ["LOCK_FILE", "RunDirLock", "RunDirLocked", "continue_records", "hold_run_dir", "record_files",
+           "truncate_records"]
 
 LOCK_FILE = ".lock"
 
@@ -147,3 +148,56 @@ def truncate_records(path: str | os.PathLike, step: int) -> tuple[int, int]:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     return len(kept), dropped
+
+
+def hold_run_dir(run_dir: str | os.PathLike) -> RunDirLock | None:
+    """Rank 0 takes the run directory's lock for the whole run; every rank learns the outcome (a collective when a
+    process group is initialised, so no rank waits for the others when another run holds it).
+
+    Returns:
+        the held lock on rank 0 (release it last, after everything is written), None on the other ranks.
+
+    Raises:
+        RunDirLocked: on every rank, with the sentence naming the holder.
+    """
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    lock = RunDirLock(run_dir) if rank == 0 else None
+    refusal: list[str | None] = [None]
+    if lock is not None:
+        try:
+            lock.acquire()
+        except RunDirLocked as e:
+            refusal = [str(e)]
+    if distributed:
+        dist.broadcast_object_list(refusal, src=0)
+    if refusal[0] is not None:
+        raise RunDirLocked(refusal[0])
+    return lock
+
+
+def record_files(run_dir: str | os.PathLike, rank: int) -> list[Path]:
+    """The record files rank ``rank`` continues on resume: its consumed log and debugger steps; rank 0 also the
+    shared ``metrics.jsonl`` and ``debug/anomalies.jsonl``."""
+    run_dir = Path(run_dir)
+    paths = [run_dir / f"consumed-rank{rank}.jsonl", run_dir / "debug" / f"steps-rank{rank}.jsonl"]
+    if rank == 0:
+        paths += [run_dir / "metrics.jsonl", run_dir / "debug" / "anomalies.jsonl"]
+    return paths
+
+
+def continue_records(paths: list[Path], step: int, *, who: str = "") -> None:
+    """Resuming from ``step``: each record file keeps only the lines of steps ``<= step`` (the rolled-back steps
+    are trained and logged again, so reports and exactly-once counts see each step once); says what it dropped.
+    With a process group, ends with a barrier (shared files are rewritten before any rank appends)."""
+    import torch.distributed as dist
+
+    for path in paths:
+        kept, dropped = truncate_records(path, step)
+        if dropped:
+            print(f"{who}{path}: dropped {dropped} lines of steps after {step} (rolled back), kept {kept}",
+                  file=sys.stderr)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

@@ -47,7 +47,8 @@ import torch.distributed as dist
 import yaml
 
 from asyncrl import LoaderConfig, RolloutLoader
-from asyncrl.checkpoint import SAVE_POINTS, CheckpointDir
+from asyncrl.checkpoint import MODEL as CHECKPOINT_MODEL
+from asyncrl.checkpoint import SAVE_POINTS, Checkpointer
 from asyncrl.codec import dumps_json
 from asyncrl.config import RewardConfig, WeightSyncConfig, from_dict
 from asyncrl.debug.detectors import DebugConfig, Debugger
@@ -59,7 +60,7 @@ from asyncrl.logprobs import token_logprobs
 from asyncrl.losses import LossConfig, all_reduce_sum, compute_loss, mismatch_metrics
 from asyncrl.reference import ReferencePolicy
 from asyncrl.rewards import RewardSet, component_means
-from asyncrl.run_dir import RunDirLock, RunDirLocked, truncate_records
+from asyncrl.run_dir import RunDirLocked, continue_records, hold_run_dir, record_files
 from asyncrl.timeline import new_incarnation
 from asyncrl.weights import setup_weight_broadcaster
 from asyncrl.data import DataConfig, load_prompts
@@ -163,9 +164,6 @@ MAX_LAG_BIN = 16
 
 
 class GRPORecipe:
-    CHECKPOINT_MODEL = "model"
-    CHECKPOINT_OPTIM = "optim"
-
     def __init__(self, cfg: RecipeConfig, resume: bool):
         self.cfg = cfg
         self.resume = resume
@@ -182,10 +180,11 @@ class GRPORecipe:
         torch.manual_seed(cfg.train.seed)
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
-        self._hold_run_dir()  # before anything is written into it
-        self.checkpoints = CheckpointDir(self.ckpt_dir, world_size=self.world, keep=cfg.checkpoint.keep,
-                                         hook=self._save_fault)
-        self._saved_step: int | None = None
+        try:  # rank 0 holds the lock for the whole run; every rank leaves at once if another run holds it
+            self.run_lock = hold_run_dir(self.run_dir)  # before anything is written into it
+        except RunDirLocked as e:
+            dist.destroy_process_group()
+            raise SystemExit(f"[rank {self.rank}] {e}") from None
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_bytes(dumps_json(dataclasses.asdict(cfg)))
@@ -198,21 +197,27 @@ class GRPORecipe:
         self.model_dir = model_dir
         self.prompts = load_prompts(cfg.data, model_dir)  # rendered to token ids once, here; logs what it drops
         self.step, self.version = 0, 0
-        latest = self._latest_checkpoint() if self.resume else None
         if cfg.lora.rank and cfg.train.sft_steps:
             self._warm_base_for_lora()
         self._build_model(lora=bool(cfg.lora.rank))
-        if latest is not None:
-            self._load_checkpoint(latest)
-            self._truncate_records()
+        self.checkpointer = Checkpointer(self.ckpt_dir, self.model, self.optimizer, keep=cfg.checkpoint.keep,
+                                         hook=self._save_fault)
+        latest = self.checkpointer.resolve() if self.resume else None
+        if latest is not None:  # model, optimizer, RNG now; the loader's state once it exists
+            resumed = self.checkpointer.load(latest)
+            self.step, self.version = resumed.step, resumed.policy_version
+            if self.rank == 0:
+                print(f"resumed from {latest} at step {self.step}, policy version {self.version}", file=sys.stderr)
+            continue_records(record_files(self.run_dir, self.rank), self.step, who=f"[rank {self.rank}] ")
         elif cfg.train.sft_steps and not cfg.lora.rank:
             self._sft_warmup()
         self.reference = self._build_reference(fresh=latest is None) if cfg.loss.beta > 0 else None
         cfg.loss.max_completion_length = cfg.loss.max_completion_length or cfg.rollout.worker.engine.max_new_tokens
         self._start_weight_sync()
         self._build_loader()
-        if self.resume and latest is not None:
-            self.loader.load_state_dict(torch.load(latest / f"loader-rank{self.rank}.pt", weights_only=True))
+        self.checkpointer.loader = self.loader
+        if latest is not None:
+            self.checkpointer.load_loader(latest)
         mode = "ab" if latest is not None else "wb"  # a fresh run in an old run_dir starts its logs over
         self.metrics_file = open(self.run_dir / "metrics.jsonl", mode) if self.rank == 0 else None
         self.consumed_file = open(self.run_dir / f"consumed-rank{self.rank}.jsonl", mode)
@@ -228,34 +233,6 @@ class GRPORecipe:
             }
             self.debugger = Debugger(self.run_dir, self.rank, cfg.debug, max_staleness=cfg.rollout.max_staleness,
                                      context=context, append=latest is not None)
-
-    def _hold_run_dir(self) -> None:
-        """Rank 0 locks the run directory for the whole run (asyncrl.run_dir); if another run holds it, every rank
-        leaves at once with the sentence naming the holder (broadcast, so no rank waits for the others)."""
-        self.run_lock = RunDirLock(self.run_dir) if self.rank == 0 else None
-        refusal: list[str | None] = [None]
-        if self.run_lock is not None:
-            try:
-                self.run_lock.acquire()
-            except RunDirLocked as e:
-                refusal = [str(e)]
-        dist.broadcast_object_list(refusal, src=0)
-        if refusal[0] is not None:
-            dist.destroy_process_group()
-            raise SystemExit(f"[rank {self.rank}] {refusal[0]}")
-
-    def _truncate_records(self) -> None:
-        """Resuming from step N: the records keep only steps <= N, so reports and the consumed logs count each
-        step once (the rolled-back steps are trained again and logged again)."""
-        paths = [self.run_dir / f"consumed-rank{self.rank}.jsonl", self.run_dir / "debug" / f"steps-rank{self.rank}.jsonl"]
-        if self.rank == 0:
-            paths += [self.run_dir / "metrics.jsonl", self.run_dir / "debug" / "anomalies.jsonl"]
-        for path in paths:
-            kept, dropped = truncate_records(path, self.step)
-            if dropped:
-                print(f"[rank {self.rank}] {path}: dropped {dropped} lines of steps after {self.step} (rolled back), "
-                      f"kept {kept}", file=sys.stderr)
-        dist.barrier()  # anomalies.jsonl is shared: rank 0 rewrites it before any rank appends
 
     def _warm_base_for_lora(self) -> None:
         """LoRA trains an adapter on a frozen base, so the supervised warm start trains the base first and
@@ -525,44 +502,10 @@ class GRPORecipe:
         }
 
     # -- checkpoint --------------------------------------------------------------------------------------------------
-    def _latest_checkpoint(self) -> Path | None:
-        """What ``--resume`` continues from: ``latest`` if complete, else the newest complete checkpoint (rank 0
-        decides and says why, and points ``latest`` at it; every rank gets the same answer)."""
-        choice: list[Any] = [None, ""]
-        if self.rank == 0:
-            path, note = self.checkpoints.resolve()
-            choice = [None if path is None else str(path), note]
-            if note:
-                print(f"resume: {note}", file=sys.stderr, flush=True)
-                if path is not None:
-                    self.checkpoints.point_latest(path)
-        dist.broadcast_object_list(choice, src=0)
-        return None if choice[0] is None else Path(choice[0])
-
     def save_checkpoint(self) -> None:
-        """Model + optimizer (DCP), loader state per rank, version, RNG and config, as one complete checkpoint
-        (asyncrl.checkpoint: staged, marked, renamed to a fresh name, then ``latest`` moves). A step already
-        saved (the final step with ``checkpoint.every=1``, a resumed run that trains nothing) is not saved again."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        if self._saved_step == self.step:
-            return
-        tmp = self.checkpoints.staging(self.step)
-        if self.rank == 0:
-            self.checkpoints.stage(self.step)
-        dist.barrier()
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        dcp.save({self.CHECKPOINT_MODEL: model_state, self.CHECKPOINT_OPTIM: optim_state}, checkpoint_id=str(tmp))
-        torch.save(self.loader.state_dict(), tmp / f"loader-rank{self.rank}.pt")
-        torch.save({"rng": torch.get_rng_state(), "step": self.step, "policy_version": self.version},
-                   tmp / f"trainer-rank{self.rank}.pt")
-        dist.barrier()
-        if self.rank == 0:
-            (tmp / "config.json").write_bytes(dumps_json(dataclasses.asdict(self.cfg)))
-            self.checkpoints.commit(tmp, self.step)  # a crash before latest moves leaves the last good one
-        dist.barrier()
-        self._saved_step = self.step
+        """One complete checkpoint (asyncrl.checkpoint.Checkpointer: model + optimizer via DCP, each rank's loader
+        state, RNG, step, policy version, and the config); a step already on disk is not saved again."""
+        self.checkpointer.save(self.step, self.version, files={"config.json": dumps_json(dataclasses.asdict(self.cfg))})
 
     def _save_fault(self, point: str, step: int) -> None:
         """Fault injection (``train.pause_in_save_at_step``): rank 0 sleeps at one point of one save."""
@@ -571,22 +514,6 @@ class GRPORecipe:
             print(f"[rank {self.rank}] pausing in the save of step {step} after {point!r} "
                   f"(train.pause_in_save_at_step)", file=sys.stderr, flush=True)
             time.sleep(3600)
-
-    def _load_checkpoint(self, path: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        state = {self.CHECKPOINT_MODEL: model_state, self.CHECKPOINT_OPTIM: optim_state}
-        dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state[self.CHECKPOINT_MODEL],
-                       optim_state_dict=state[self.CHECKPOINT_OPTIM])
-        trainer = torch.load(path / f"trainer-rank{self.rank}.pt", weights_only=True)
-        torch.set_rng_state(trainer["rng"])
-        self.step, self.version = trainer["step"], trainer["policy_version"]
-        self._saved_step = self.step  # on disk already: a final save of this same step is skipped
-        if self.rank == 0:
-            print(f"resumed from {path} at step {self.step}, policy version {self.version}", file=sys.stderr)
 
     # -- cleanup -----------------------------------------------------------------------------------------------------
     def cleanup(self) -> None:
@@ -624,9 +551,9 @@ def replay_rejection(dump_path: str | os.PathLike, checkpoint: str | os.PathLike
     if kind not in ("rejected_batch", "anomaly_batch"):
         raise ValueError(f"{dump_path} holds a {kind!r}, not a rejected batch")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, cfg.model.dtype))
-    state = {GRPORecipe.CHECKPOINT_MODEL: model.state_dict()}
+    state = {CHECKPOINT_MODEL: model.state_dict()}
     dcp.load(state, checkpoint_id=str(checkpoint))
-    model.load_state_dict(state[GRPORecipe.CHECKPOINT_MODEL])
+    model.load_state_dict(state[CHECKPOINT_MODEL])
     b = {k: v.clone() for k, v in body["batch"].items()}
     engine = cfg.rollout.worker.engine
     logp = token_logprobs(model, b["input_ids"], b["attention_mask"], temperature=engine.temperature,
