@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["DataConfig", "PromptSet", "load_prompts", "render_prompt"]
+__all__ = ["DataConfig", "PromptSet", "load_prompts", "render_prompt", "sft_batch"]
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +151,34 @@ def render_prompt(prompt: Any, tokenizer: Any, *, chat_template: bool | None = N
     text = tokenizer.apply_chat_template(list(turns), add_generation_prompt=True, tokenize=False)
     # the template writes the special tokens itself; tokenizing adds none (what apply_chat_template(tokenize=True) does)
     return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def sft_batch(items: list[dict[str, Any]], tokenizer: Any) -> tuple[Any, Any]:
+    """A supervised (warm-start) batch of prompt items: each row is the rendered prompt's ids, the ``answer``
+    column's tokens and eos, right-padded; the labels cover the answer and eos only, masked by prompt *tokens*
+    (what a BPE tokenizer makes of the prompt, chat template included), never by characters.
+
+    Returns:
+        ``(input_ids, labels)``, int64 ``[B, L]``; labels are -100 on prompt and padding positions.
+
+    Raises:
+        ValueError: an item without an ``answer`` column.
+    """
+    import torch
+
+    if missing := [i for i, item in enumerate(items) if "answer" not in item]:
+        raise ValueError(f"the supervised warm start needs an 'answer' column; items {missing[:5]} have none "
+                         f"(columns: {sorted(items[missing[0]])}); set train.sft_steps=0")
+    eos = tokenizer.eos_token_id
+    seqs = [[*item[PROMPT_IDS], *tokenizer(str(item["answer"]), add_special_tokens=False).input_ids, eos]
+            for item in items]
+    ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+    labels = torch.full_like(ids, -100)
+    for b, (item, seq) in enumerate(zip(items, seqs)):
+        ids[b, : len(seq)] = torch.tensor(seq)
+        start = len(item[PROMPT_IDS])
+        labels[b, start : len(seq)] = ids[b, start : len(seq)]
+    return ids, labels
 
 
 def load_prompts(config: DataConfig, tokenizer: Any) -> PromptSet:

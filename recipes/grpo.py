@@ -63,7 +63,7 @@ from asyncrl.rewards import RewardSet, component_means
 from asyncrl.run_dir import RunDirLocked, continue_records, hold_run_dir, record_files
 from asyncrl.timeline import new_incarnation
 from asyncrl.weights import setup_weight_broadcaster
-from asyncrl.data import DataConfig, load_prompts
+from asyncrl.data import DataConfig, load_prompts, sft_batch
 from workers.tiny_model import build_tiny_model
 
 
@@ -296,20 +296,10 @@ class GRPORecipe:
         cfg = self.cfg.train
         opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.sft_lr)
         gen = torch.Generator().manual_seed(cfg.seed + 1000 * self.rank)
-        eos = self.tokenizer.eos_token_id
         for _ in range(cfg.sft_steps):
             idx = torch.randint(len(self.prompts), (cfg.sft_batch,), generator=gen).tolist()
-            rows = [self.prompts[i] for i in idx]
-            # the rendered prompt's token ids, then the answer's: the loss masks the prompt by tokens, not characters
-            seqs = [[*r["prompt_ids"], *self.tokenizer(str(r["answer"]), add_special_tokens=False).input_ids, eos]
-                    for r in rows]
-            width = max(map(len, seqs))
-            ids = torch.zeros(len(seqs), width, dtype=torch.long)
-            labels = torch.full_like(ids, -100)
-            for b, (r, s) in enumerate(zip(rows, seqs)):
-                ids[b, : len(s)] = torch.tensor(s)
-                start = len(r["prompt_ids"])
-                labels[b, start : len(s)] = ids[b, start : len(s)]
+            # prompt ids + answer tokens + eos; the loss masks the prompt by its tokens, not its characters
+            ids, labels = sft_batch([self.prompts[i] for i in idx], self.tokenizer)
             loss = self.model(input_ids=ids.to(self.device), labels=labels.to(self.device)).loss
             opt.zero_grad()
             loss.backward()

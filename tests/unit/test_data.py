@@ -10,7 +10,7 @@ import logging
 import msgpack
 import pytest
 
-from asyncrl.data import DataConfig, load_prompts, render_prompt
+from asyncrl.data import DataConfig, load_prompts, render_prompt, sft_batch
 from workers.engines.base import prompt_token_ids
 
 MESSAGES = [
@@ -196,3 +196,17 @@ def test_config_checks():
         DataConfig(source="reasoning_gym")
     with pytest.raises(ValueError, match="max_prompt_length=0"):
         DataConfig(max_prompt_length=0)
+
+
+def test_the_warm_start_masks_the_prompt_by_its_tokens(tmp_path, tok):
+    prompts = load_prompts(DataConfig(source="datasets", path=_jsonl(tmp_path / "chat.jsonl", MESSAGES)), tok)
+    ids, labels = sft_batch(list(prompts), tok)
+    for b, item in enumerate(prompts):
+        n = len(item["prompt_ids"])
+        assert ids[b, :n].tolist() == item["prompt_ids"] and (labels[b, :n] == -100).all()
+        trained = labels[b][labels[b] != -100].tolist()
+        assert tok.decode(trained) == item["answer"] + "<|im_end|>"
+        chars = 1 + len(tok.decode(item["prompt_ids"]))  # the old mask, in characters: wrong for BPE
+        assert chars != n
+    with pytest.raises(ValueError, match=r"needs an 'answer' column; items \[0\]"):
+        sft_batch([{"prompt_ids": [1, 2], "prompt": "x"}], tok)
