@@ -136,17 +136,21 @@ def same_layout(a: Bucket, b: Bucket) -> bool:
     return a.nbytes == b.nbytes and a.to_wire()["slots"] == b.to_wire()["slots"]
 
 
-def _changed(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Positions and values of the nonzero words of ``x``: first the nonzero 8-byte blocks, then the words
-    inside those (numpy's nonzero is fastest on a bool mask; 8-byte blocks make the first pass 4x shorter
-    for 2-byte words): ~3x faster than ``np.flatnonzero(x)`` at the sparsity of one optimizer step."""
-    per = 8 // x.itemsize
-    if per == 1 or x.size % per:
-        positions = np.flatnonzero(x != 0)
-        return positions, x[positions]
-    blocks = np.flatnonzero(x.view(np.uint64) != 0)
-    words = x.view(np.uint64)[blocks].view(x.dtype)
-    inner = np.flatnonzero(words != 0)
+def _changed(new: np.ndarray, base: np.ndarray, word: int) -> tuple[np.ndarray, np.ndarray]:
+    """Positions (in words) and XOR values of the words that differ between two uint8 buffers: first the
+    8-byte blocks that differ (one compare pass, no XOR written: numpy's nonzero is fastest on a bool mask),
+    then the words inside those. ~5x faster than ``np.flatnonzero(new ^ base)`` at one optimizer step's
+    sparsity."""
+    wt = _WORDS[word]
+    per = 8 // word
+    if per == 1 or new.nbytes % 8:
+        a, b = new.view(wt), base.view(wt)
+        positions = np.flatnonzero(a != b)
+        return positions, a[positions] ^ b[positions]
+    a, b = new.view(np.uint64), base.view(np.uint64)
+    blocks = np.flatnonzero(a != b)
+    words = (a[blocks] ^ b[blocks]).view(wt)
+    inner = np.flatnonzero(words)
     return blocks[inner // per] * per + inner % per, words[inner]
 
 
@@ -196,10 +200,9 @@ class DeltaCodec:
             checksum = bucket_checksum(memoryview(new))
         meta: dict[str, Any] = {"base_version": base_version, "base_incarnation": base_incarnation, "word": word,
                                 "nbytes": new.nbytes, "checksum": checksum}
-        x = self._xor(new, base, word)
         best: BucketDelta | None = None
-        positions, values = _changed(x)
-        nwords = x.size
+        positions, values = _changed(new, base, word)
+        nwords = new.nbytes // word
         if positions.size * 2 <= nwords < 2**32:
             pos = positions.astype(np.uint32)
             gaps = np.diff(pos, prepend=np.uint32(0))  # the first gap is the first position
@@ -208,7 +211,7 @@ class DeltaCodec:
             payload = np.frombuffer(z_gaps + z_vals, dtype=np.uint8).copy()  # writable: torch.from_numpy
             best = BucketDelta(encoding="sparse", count=int(pos.size), split=len(z_gaps), payload=payload, **meta)
         if positions.size > XOR_DENSITY * nwords:
-            z = self._cctx.compress(x.view(np.uint8))
+            z = self._cctx.compress(self._xor(new, base, word).view(np.uint8))
             if best is None or len(z) < best.wire_nbytes:
                 best = BucketDelta(encoding="xor", count=0, split=0, payload=np.frombuffer(z, dtype=np.uint8).copy(),
                                    **meta)
