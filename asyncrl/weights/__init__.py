@@ -1,8 +1,9 @@
 """Weight sync: broadcaster (trainer) and receiver (worker) ends; see ``base.py``.
 
 Backends: ``zmq`` (:mod:`asyncrl.weights.zmq_weights`, any machine a socket reaches), ``shm``
-(:mod:`asyncrl.weights.shm_weights`, receivers on the broadcaster's machine) and ``nccl``
-(:mod:`asyncrl.weights.nccl_weights`, a process group of the channel's own: NCCL on GPUs, gloo on CPUs). Pick one with
+(:mod:`asyncrl.weights.shm_weights`, receivers on the broadcaster's machine), ``nccl``
+(:mod:`asyncrl.weights.nccl_weights`, a process group of the channel's own: NCCL on GPUs, gloo on CPUs) and
+``cuda_ipc`` (:mod:`asyncrl.weights.cuda_ipc_weights`, GPU receivers on the trainer's node). Pick one with
 :func:`setup_weight_broadcaster` / :func:`setup_weight_receiver`.
 """
 
@@ -20,12 +21,15 @@ from asyncrl.weights.base import (
     bucket_checksum,
     plan_buckets,
 )
+from asyncrl.weights.cuda_ipc_weights import CudaIpcWeightBroadcaster, CudaIpcWeightReceiver
 from asyncrl.weights.nccl_weights import NcclWeightBroadcaster, NcclWeightReceiver
 from asyncrl.weights.shm_weights import ShmWeightBroadcaster, ShmWeightReceiver
 from asyncrl.weights.zmq_weights import ZmqWeightBroadcaster, ZmqWeightReceiver
 
 __all__ = [
     "Bucket",
+    "CudaIpcWeightBroadcaster",
+    "CudaIpcWeightReceiver",
     "NcclWeightBroadcaster",
     "NcclWeightReceiver",
     "ShmWeightBroadcaster",
@@ -43,19 +47,22 @@ __all__ = [
     "setup_weight_receiver",
 ]
 
-WeightSyncType = Literal["zmq", "shm", "nccl"]
+WeightSyncType = Literal["zmq", "shm", "nccl", "cuda_ipc"]
 _BROADCASTERS: dict[str, type[WeightBroadcaster]] = {
     "zmq": ZmqWeightBroadcaster, "shm": ShmWeightBroadcaster, "nccl": NcclWeightBroadcaster,
+    "cuda_ipc": CudaIpcWeightBroadcaster,
 }
 _RECEIVERS: dict[str, type[WeightReceiver]] = {
     "zmq": ZmqWeightReceiver, "shm": ShmWeightReceiver, "nccl": NcclWeightReceiver,
+    "cuda_ipc": CudaIpcWeightReceiver,
 }
 
 
 def _pick(table: dict[str, Any], type: str) -> Any:
     if type not in table:
         raise ValueError(f"unknown weight sync {type=}; choose 'zmq' (across machines), 'shm' (same machine) or "
-                         "'nccl' (a process group of its own: NCCL on GPUs, gloo on CPUs)")
+                         "'nccl' (a process group of its own: NCCL on GPUs, gloo on CPUs) or 'cuda_ipc' (GPU receivers on this "
+                         "node)")
     return table[type]
 
 
