@@ -93,6 +93,9 @@ class RolloutWorker:
         self.fault = fault or FaultConfig()
         self.catch_up_s = catch_up_s
         self.verifier = verifier
+        c = getattr(engine, "config", None)  # what the engine samples with: every rollout says so (asyncrl.logprobs)
+        self._sampling = ({"temperature": float(c.temperature), "top_k": int(c.top_k), "top_p": float(c.top_p)}
+                          if c is not None and all(hasattr(c, k) for k in ("temperature", "top_k", "top_p")) else None)
         """Post-sync verification of each applied update (:mod:`asyncrl.weights.verify`); None: off."""
         self.groups_sent = 0
         self.rollouts_sent = 0
@@ -139,6 +142,7 @@ class RolloutWorker:
             status["weight_full_bytes"] = weights.get("full_bytes", 0)
             status["weight_delta_bytes"] = weights.get("delta_bytes", 0)
             status["weight_delta_refused"] = weights.get("delta_refused", 0)
+            status["weight_versions_staged"] = weights.get("versions_staged", 0)
             status["weight_apply_failures"] = self.weight_failures
             if self.verifier is not None:
                 status.update(self.verifier.status())
@@ -301,6 +305,7 @@ class RolloutWorker:
                 finish_reason=c.finish_reason,
                 timings={"generate": generate_s, "reward": reward_s},
                 metadata={"attempt_lease": lease.lease_id},
+                sampling=self._sampling,
             )
             rollouts.append(r)  # validated by the pool on arrival (the one gate for every sender)
         return Group(epoch=lease.epoch, prompt_index=lease.prompt_index, rollouts=rollouts)
