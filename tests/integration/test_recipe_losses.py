@@ -17,8 +17,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 def test_beta_trains_against_a_reference_model_and_logs_kl_and_reward_components(tmp_path):
     run = tmp_path / "run"
-    _finish(_torchrun(run, "train.steps=4", "checkpoint.every=0", *SMALL, "loss.beta=0.05", "loss.loss_type=dapo",
-                      "reward.funcs=[arithmetic, format]", "reward.weights=[1.0, 0.5]"))
+    overrides = ["checkpoint.every=0", *SMALL, "loss.beta=0.05", "loss.loss_type=dapo",
+                 "reward.funcs=[arithmetic, format]", "reward.weights=[1.0, 0.5]"]
+    _finish(_torchrun(run, "train.steps=4", *overrides))
     rows = _metrics(run)
     assert len(rows) == 4 and all(r["accepted"] for r in rows), [r["guard_reason"] for r in rows]
     assert (run / "model-ref" / "config.json").exists()  # the warmed policy, saved once as the reference
@@ -28,6 +29,10 @@ def test_beta_trains_against_a_reference_model_and_logs_kl_and_reward_components
     for r in rows:  # every row is scored by both: the reward is their weighted sum, over both ranks
         assert r["reward_mean"] == pytest.approx(r["rewards/arithmetic/mean"] + 0.5 * r["rewards/format/mean"])
         assert "rewards/exact/mean" in r  # arithmetic's extra components
+    # a resumed run keeps the run's reference (model-ref), not a copy of the policy it resumes: KL is not reset
+    _finish(_torchrun(run, "train.steps=5", *overrides, resume=True))
+    resumed = _metrics(run)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5] and resumed[4]["kl"] > 0
 
 
 CALLS = [0]
