@@ -557,7 +557,8 @@ def replay_rejection(dump_path: str | os.PathLike, checkpoint: str | os.PathLike
                                    dtype=cfg.model.dtype).logprobs(b["input_ids"], b["attention_mask"],
                                                                    temperature=engine.temperature, top_k=engine.top_k,
                                                                    top_p=engine.top_p)
-    loss, _, _ = compute_loss(b, logp, config=cfg.loss, trainer_version=body["policy_version"], ref_logprobs=ref)
+    loss_cfg = dataclasses.replace(cfg.loss, max_completion_length=cfg.loss.max_completion_length or engine.max_new_tokens)
+    loss, _, _ = compute_loss(b, logp, config=loss_cfg, trainer_version=body["policy_version"], ref_logprobs=ref)
     loss.backward()
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip))
     if not math.isfinite(float(loss.detach())) or not math.isfinite(grad_norm):
