@@ -9,13 +9,21 @@ The engine tests hold every engine to it within 1e-4 (fp32).
 The warpers are transformers' own classes, applied in ``generate``'s order (temperature, top-k,
 top-p) and skipped when they are no-ops, exactly as ``GenerationMixin._get_logits_processor`` does,
 so the two sides cannot drift apart through a re-implementation.
+
+:func:`batch_logprobs` is the call a training loop makes on a ``TrainBatch``: it takes the sampling settings
+from the batch (what the workers reported they sampled with), so a loop cannot silently score its rollouts
+under another distribution; a batch that mixes settings, or settings that disagree with the ones a caller
+expects, is refused with both in the message.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
-__all__ = ["sampling_logprobs", "token_logprobs"]
+__all__ = ["batch_logprobs", "batch_sampling", "sampling_logprobs", "token_logprobs"]
 
 
 def _check_sampling(temperature: float, top_k: int, top_p: float) -> None:
@@ -96,3 +104,46 @@ def token_logprobs(
         picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
         picked = torch.where(mask[:, 1:].bool(), picked, torch.zeros_like(picked))
         return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+
+
+def batch_sampling(batch: Mapping[str, Any], expected: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The sampling settings of a ``TrainBatch`` (``{"temperature", "top_k", "top_p"}``).
+
+    Args:
+        batch: a collated batch (``datapipes.collate``).
+        expected: the settings the caller configured (e.g. its ``EngineConfig``'s); used for a batch whose
+            rollouts did not report theirs, and otherwise must equal the batch's.
+
+    Raises:
+        ValueError: the batch mixes settings, disagrees with ``expected``, or has none and ``expected`` is None.
+    """
+    got = batch.get("sampling")
+    want = None if expected is None else {k: expected[k] for k in ("temperature", "top_k", "top_p")}
+    if isinstance(got, list):
+        raise ValueError(f"this batch mixes sampling settings {got} (its rollouts came from workers configured "
+                         "differently); logprobs under one of them would be wrong for the others: give every worker "
+                         "the same engine temperature/top_k/top_p")
+    if got is None:
+        if want is None:
+            raise ValueError("this batch does not say what its rollouts were sampled with (rollouts of a sender that "
+                             "does not report sampling); pass the engines' settings as expected={'temperature': ..., "
+                             "'top_k': ..., 'top_p': ...}")
+        return want
+    got = {k: got[k] for k in ("temperature", "top_k", "top_p")}
+    if want is not None and (float(want["temperature"]), int(want["top_k"]), float(want["top_p"])) != (
+            float(got["temperature"]), int(got["top_k"]), float(got["top_p"])):
+        raise ValueError(f"the batch's rollouts were sampled with {got}, but the trainer expects {want}: a worker "
+                         "runs with other engine settings than the trainer's config")
+    return got
+
+
+def batch_logprobs(model: torch.nn.Module, batch: Mapping[str, Any], *, grad: bool = False,
+                   expected: Mapping[str, Any] | None = None) -> torch.Tensor:
+    """:func:`token_logprobs` of a ``TrainBatch`` under the sampling settings it carries (:func:`batch_sampling`).
+
+    Returns:
+        float32 ``[B, L]`` aligned to ``batch["input_ids"]``, on the model's device.
+    """
+    s = batch_sampling(batch, expected)
+    return token_logprobs(model, batch["input_ids"], batch["attention_mask"], temperature=s["temperature"],
+                          top_k=s["top_k"], top_p=s["top_p"], grad=grad)

@@ -46,8 +46,10 @@ _WIRE_KEYS = frozenset(
         "metadata",
     }
 )
-_OPTIONAL_WIRE_KEYS = frozenset({"incarnation"})
-"""Keys a rollout may omit on the wire (older senders): ``incarnation`` defaults to ``""``."""
+_OPTIONAL_WIRE_KEYS = frozenset({"incarnation", "sampling"})
+"""Keys a rollout may omit on the wire (older senders): ``incarnation`` defaults to ``""``, ``sampling`` to None."""
+SAMPLING_KEYS = ("temperature", "top_k", "top_p")
+"""The sampling settings a rollout reports (what the trainer's logprobs must be computed under)."""
 MAX_INCARNATION_CHARS = 64
 
 
@@ -110,6 +112,9 @@ class Rollout:
     """Seconds spent per phase (``generate``, ``reward``, ...)."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form msgpack-able data."""
+    sampling: dict[str, Any] | None = None
+    """``{"temperature", "top_k", "top_p"}`` its engine sampled with (``logprobs`` are under them, and so must the
+    trainer's be: :func:`asyncrl.logprobs.batch_logprobs`); None = not reported (an older sender)."""
 
     @property
     def uid(self) -> str:
@@ -152,6 +157,7 @@ class Rollout:
             "finish_reason": self.finish_reason,
             "timings": dict(self.timings),
             "metadata": dict(self.metadata),
+            **({"sampling": dict(self.sampling)} if self.sampling is not None else {}),
         }
 
     @classmethod
@@ -183,6 +189,7 @@ class Rollout:
             finish_reason=_str(d, "finish_reason"),
             timings={_key(k): _finite(v, f"timings[{k!r}]") for k, v in _map(d, "timings").items()},
             metadata=_map(d, "metadata"),
+            sampling=_sampling(d["sampling"]) if d.get("sampling") is not None else None,
         )
         uid, group_id = d["uid"], d["group_id"]
         if not isinstance(uid, str) or not isinstance(group_id, str) or uid != r.uid or group_id != r.group_id:
@@ -228,6 +235,19 @@ class Rollout:
             oldest = min(v for v, _, _ in self.version_spans)
             if oldest != self.policy_version:
                 raise DecodeError(f"{self.uid}: policy_version {self.policy_version} != oldest span version {oldest}")
+
+
+def _sampling(v: Any) -> dict[str, Any]:
+    if not isinstance(v, dict) or set(v) != set(SAMPLING_KEYS):
+        raise DecodeError(f"sampling must be a map of exactly {SAMPLING_KEYS}, got {v!r:.200}")
+    t, k, p = v["temperature"], v["top_k"], v["top_p"]
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise DecodeError(f"sampling top_k={k!r} must be an int >= 0")
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in (t, p)):
+        raise DecodeError(f"sampling temperature={t!r} and top_p={p!r} must be finite numbers")
+    if not (t > 0 and 0 < p <= 1):
+        raise DecodeError(f"sampling needs temperature={t} > 0 and 0 < top_p={p} <= 1")
+    return {"temperature": float(t), "top_k": int(k), "top_p": float(p)}
 
 
 @dataclass(kw_only=True, slots=True)

@@ -6,19 +6,68 @@ Each row is ``prompt_ids + response_ids``, right-padded. Masks and per-token val
 (so a trainer compares it with ``log_softmax(logits[b, t-1])[input_ids[b, t]]``), and
 ``loss_mask[b, t]`` is True exactly at generated response tokens. ``reward_components`` holds each reward
 component per row (NaN where a rollout lacks it), for the recipe's per-function reward means.
+
+``sampling`` is what the batch's rollouts were sampled with (temperature, top-k, top-p, as their workers
+reported): the trainer's logprobs must be computed under the same distribution, and
+:func:`asyncrl.logprobs.batch_logprobs` takes them from here. A batch whose rollouts disagree (workers
+configured differently) carries the list of distinct settings instead, which that helper refuses.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
 from asyncrl.rollout import Group
 
-__all__ = ["TrainBatch", "collate_groups"]
+__all__ = ["SamplingSettings", "TrainBatch", "collate_groups"]
 
-TrainBatch = dict[str, Any]
+
+class SamplingSettings(TypedDict):
+    """The distribution a rollout's tokens were sampled from (``EngineConfig``'s fields of the same names)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+
+
+class TrainBatch(TypedDict):
+    """One padded batch of whole groups; ``[B, L]`` tensors are aligned to ``input_ids`` positions."""
+
+    input_ids: torch.Tensor
+    """long ``[B, L]``: prompt + response per row, right-padded."""
+    attention_mask: torch.Tensor
+    """bool ``[B, L]``: real tokens."""
+    loss_mask: torch.Tensor
+    """bool ``[B, L]``: generated response tokens (environment tokens of multi-turn rollouts are False)."""
+    rollout_logprobs: torch.Tensor
+    """float32 ``[B, L]``: the engine's logprob of each response token under ``sampling``."""
+    token_versions: torch.Tensor
+    """long ``[B, L]``: the policy version that produced each response token; -1 elsewhere."""
+    rewards: torch.Tensor
+    """float32 ``[B]``."""
+    reward_components: dict[str, torch.Tensor]
+    """name -> float32 ``[B]`` of each reward component (NaN where a rollout lacks it)."""
+    policy_versions: torch.Tensor
+    """long ``[B]``: each rollout's oldest policy version (its staleness is measured from it)."""
+    group_index: torch.Tensor
+    """long ``[B]``: the row's group, ``0..groups-1``."""
+    prompt_lengths: torch.Tensor
+    """long ``[B]``."""
+    response_lengths: torch.Tensor
+    """long ``[B]``."""
+    generate_s: torch.Tensor
+    """float32 ``[B]``: generation seconds per rollout."""
+    sampling: SamplingSettings | list[SamplingSettings] | None
+    """The settings every row was sampled with; a list of the distinct ones if rows disagree; None if no
+    rollout reported them (older senders)."""
+    group_ids: list[str]
+    uids: list[str]
+    worker_ids: list[str]
+    finish_reasons: list[str]
+    num_tokens: int
+    """Real tokens in the batch."""
 
 
 def collate_groups(groups: list[Group], pad_token_id: int = 0) -> TrainBatch:
@@ -49,6 +98,7 @@ def collate_groups(groups: list[Group], pad_token_id: int = 0) -> TrainBatch:
         "token_versions": token_versions,
         "rewards": torch.tensor([r.reward for r in rollouts], dtype=torch.float32),
         "reward_components": _components(rollouts),
+        "sampling": _sampling(rollouts),
         "policy_versions": torch.tensor([r.policy_version for r in rollouts], dtype=torch.long),
         "group_index": torch.tensor([g for g, grp in enumerate(groups) for _ in grp.rollouts], dtype=torch.long),
         "prompt_lengths": torch.tensor([int(r.prompt_ids.numel()) for r in rollouts], dtype=torch.long),
@@ -68,3 +118,14 @@ def _components(rollouts: list) -> dict[str, torch.Tensor]:
     names = sorted({k for r in rollouts for k in r.reward_components})
     return {k: torch.tensor([r.reward_components.get(k, float("nan")) for r in rollouts], dtype=torch.float32)
             for k in names}
+
+
+def _sampling(rollouts: list) -> SamplingSettings | list[SamplingSettings] | None:
+    """The one setting of the rows, the distinct ones if they differ (a row that reports none counts as one)."""
+    distinct: list[Any] = []
+    for r in rollouts:
+        if r.sampling not in distinct:
+            distinct.append(r.sampling)
+    if len(distinct) == 1:
+        return None if distinct[0] is None else SamplingSettings(**distinct[0])
+    return [SamplingSettings(**d) if d is not None else None for d in distinct]

@@ -10,10 +10,11 @@ off-policy), k (fully async). Per step, on every rank::
 
     batch = next(loader)                        # groups of this rank's shard, no staler than max_staleness
     logp  = token_logprobs(policy, batch)       # trainer-side forward (DDP)
-    loss  = policy_loss(logp, ..., group_advantages(rewards))   # + off-policy correction of the mismatch
-    backward, clip, optimizer.step
-    guard: non-finite loss/grad or |dtheta|/|theta| > max  ->  restore params + optimizer, dump the batch
-    else:  version += 1; rank 0 publishes the weights (or only the LoRA adapter); loader.set_policy_version
+    loss  = compute_loss(batch, logp, config=loss)  # asyncrl.losses: advantages, loss_type (+ KL to the reference)
+    verdict = guard.step(loss)                  # asyncrl.guard: backward, clip, step; a non-finite loss/grad or
+                                                #   |dtheta|/|theta| > max is undone exactly (the batch is dumped)
+    sync.commit(verdict.accepted)               # asyncrl.policy_sync: the pool's version moves, then rank 0
+                                                #   publishes the weights (or only the LoRA adapter)
 
 Outputs in ``run_dir``: ``metrics.jsonl`` (one line per step, rank 0), ``consumed-rank{r}.jsonl`` (the
 groups each rank trained on), ``checkpoints/step-N`` (model + optimizer via torch.distributed.checkpoint,
@@ -54,9 +55,9 @@ from asyncrl.config import RewardConfig, WeightSyncConfig, from_dict
 from asyncrl.debug.detectors import DebugConfig, Debugger
 from asyncrl.dump import write_dump
 from asyncrl.guard import GuardConfig, UpdateGuard
-from asyncrl.lifeline import die_with_parent
 from asyncrl.policy_sync import PolicySync
-from asyncrl.logprobs import token_logprobs
+from asyncrl.lifeline import die_with_parent
+from asyncrl.logprobs import batch_sampling, token_logprobs
 from asyncrl.losses import LossConfig, all_reduce_sum, compute_loss, mismatch_metrics
 from asyncrl.reference import ReferencePolicy
 from asyncrl.rewards import RewardSet, component_means
@@ -387,12 +388,13 @@ class GRPORecipe:
             rewards = torch.full_like(rewards, float("nan"))
         dev = lambda t: t.to(self.device)  # noqa: E731
         ids, attn, mask = dev(batch["input_ids"]), dev(batch["attention_mask"]), dev(batch["loss_mask"])
-        engine = cfg.rollout.worker.engine
+        engine = cfg.rollout.worker.engine  # the batch says what its rollouts were sampled with; it must be this
+        sampling = batch_sampling(batch, expected={"temperature": engine.temperature, "top_k": engine.top_k,
+                                                   "top_p": engine.top_p})
         t0 = time.perf_counter()
-        logp = token_logprobs(self.model, ids, attn, temperature=engine.temperature, top_k=engine.top_k,
-                              top_p=engine.top_p, grad=True)
+        logp = token_logprobs(self.model, ids, attn, **sampling, grad=True)
         ref = (None if self.reference is None else  # loss.beta > 0: the frozen reference's logprobs, for the KL
-               self.reference.logprobs(ids, attn, temperature=engine.temperature, top_k=engine.top_k, top_p=engine.top_p))
+               self.reference.logprobs(ids, attn, **sampling))
         loss, loss_metrics, advantages = compute_loss(  # advantages, then the loss_type's loss or the user's loss.fn
             {**batch, "rewards": rewards}, logp, config=cfg.loss, trainer_version=self.version, ref_logprobs=ref,
             all_reduce=all_reduce_sum)

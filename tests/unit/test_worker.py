@@ -133,3 +133,12 @@ def test_rewards_sync_async_and_bad_values(model_dir):
     sender = FakeSender()
     RolloutWorker("w0", engine, lambda p, cs: [float("nan")] * len(cs), sender, max_batch=1).step(_leases(1))
     assert not sender.groups and len(sender.failed) == 1 and "non-finite" in sender.failed[0][1]
+
+
+def test_every_rollout_says_what_it_was_sampled_with(model_dir):
+    """The trainer's logprobs take temperature/top-k/top-p from the batch (asyncrl.logprobs.batch_logprobs)."""
+    engine = build_engine(EngineConfig(type="hf", model=model_dir, max_new_tokens=4, **SAMPLING))
+    sender = FakeSender()
+    RolloutWorker("w0", engine, fake_reward, sender, max_batch=2).step(_leases(2, group_size=2))
+    want = {k: SAMPLING[k] for k in ("temperature", "top_k", "top_p")}
+    assert [r.sampling for g in sender.groups for r in g.rollouts] == [want] * 4
