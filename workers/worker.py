@@ -138,11 +138,10 @@ class RolloutWorker:
             weights = self.weights.stats()
             failures = weights.get("failures", 0)
             status["weight_sync_failures"] = failures if isinstance(failures, int) else len(failures)
-            # what crossed the wire for weights, full buckets and deltas (weights.delta), cumulative
+            # what crossed the wire for weights, full buckets and deltas (weights.delta), cumulative; two keys
+            # only: the pool keeps a status of at most 16 (refusals are in the receiver's stats)
             status["weight_full_bytes"] = weights.get("full_bytes", 0)
             status["weight_delta_bytes"] = weights.get("delta_bytes", 0)
-            status["weight_delta_refused"] = weights.get("delta_refused", 0)
-            status["weight_versions_staged"] = weights.get("versions_staged", 0)
             status["weight_apply_failures"] = self.weight_failures
             if self.verifier is not None:
                 status.update(self.verifier.status())
