@@ -193,7 +193,7 @@ class CudaIpcWeightBroadcaster(WeightBroadcaster):
         self.slot_wait_s = slot_wait_s
         self._lock = threading.Condition()
         self._stream = self._memory.stream()
-        self._layout: tuple[tuple[str, str, tuple[int, ...]], ...] | None = None
+        self._layout: tuple[list[str], list[tuple[torch.dtype, torch.Size]]] | None = None
         self._buckets: list[Bucket] = []
         self._buckets_wire: list[dict[str, Any]] = []
         self._slots: list[_Slot] = []
@@ -212,6 +212,12 @@ class CudaIpcWeightBroadcaster(WeightBroadcaster):
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.bind(bind)
         self._address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._wake_addr = f"inproc://asyncrl-cuda-ipc-wake-{id(self):x}"
+        self._wake_pull = self._io.ctx.socket(zmq.PULL)
+        self._wake_pull.setsockopt(zmq.LINGER, 0)
+        self._wake_pull.bind(self._wake_addr)
+        self._wake_lock = threading.Lock()
+        self._waker: zmq.Socket | None = None  # the publishing thread's end of the wake-up pipe, under _wake_lock
         self._finalizer = weakref.finalize(self, _cleanup, self._dir)
         self._io.start(self._run)
 
@@ -225,7 +231,7 @@ class CudaIpcWeightBroadcaster(WeightBroadcaster):
         with self._lock:
             self._ensure_layout(tensors)
             self._latest = {"version": None, "slots": [s.wire for s in self._slots]}
-        self._outbox.put((None, self._latest))
+        self._post(self._latest)
 
     def publish(
         self,
@@ -238,8 +244,11 @@ class CudaIpcWeightBroadcaster(WeightBroadcaster):
     ) -> dict[str, Any]:
         t0 = time.perf_counter()
         with self._lock:
-            check_publish(tensors, version, self._last_version, mode, lora_config)
-            self._ensure_layout(tensors)
+            if not self._same_layout(tensors):  # the full check walks every tensor: once per layout
+                check_publish(tensors, version, self._last_version, mode, lora_config)
+                self._ensure_layout(tensors)
+            else:
+                check_publish({}, version, self._last_version, mode, lora_config)
             slot = self._claim()
             t1 = time.perf_counter()
             self._publish += 1
@@ -252,13 +261,34 @@ class CudaIpcWeightBroadcaster(WeightBroadcaster):
             self._last_version = version
             self._counters["versions_published"] += 1
             body = self._latest
-        self._outbox.put((None, body))
+        self._post(body)
         return {"version": version, "bytes": nbytes, "buckets": len(self._buckets), "slot_wait_s": t1 - t0,
                 "publish_s": time.perf_counter() - t0}
 
+    def _post(self, body: dict[str, Any]) -> None:
+        """Queues a VERSION for every receiver and wakes the I/O thread, so it goes out now, not on its next tick."""
+        self._outbox.put((None, body))
+        with self._wake_lock:
+            if self._waker is None:
+                self._waker = self._io.ctx.socket(zmq.PUSH)
+                self._waker.setsockopt(zmq.LINGER, 0)
+                self._waker.connect(self._wake_addr)
+            try:
+                self._waker.send(b"", zmq.NOBLOCK)
+            except zmq.Again:  # a wake-up is already pending
+                pass
+
+    @staticmethod
+    def _layout_of(tensors: Mapping[str, torch.Tensor]) -> tuple[list[str], list[tuple[torch.dtype, torch.Size]]]:
+        specs = tensor_specs(tensors)
+        return list(specs), [(t.dtype, t.shape) for t in specs.values()]
+
+    def _same_layout(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        return self._layout is not None and self._layout_of(tensors) == self._layout
+
     def _ensure_layout(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """(Under the lock.) New slots for a new layout (names, dtypes, shapes); receivers keep the old ones open."""
-        layout = tuple((n, str(t.dtype), tuple(t.shape)) for n, t in tensor_specs(tensors).items())
+        layout = self._layout_of(tensors)
         if layout == self._layout:
             return
         self._buckets = plan_buckets(tensors, BUCKET_BYTES)
@@ -301,14 +331,16 @@ class CudaIpcWeightBroadcaster(WeightBroadcaster):
         mem, stream = self._memory, self._stream
         mem.after_current(stream)  # the parameters as the trainer's last step left them
         streamed = hasattr(tensors, "specs")  # a PolicyState gathers on access: one tensor at a time
-        with mem.on(stream):
+        with mem.on(stream), torch.no_grad():
             names = list(slot.views)
             if streamed:
                 for n in names:
-                    slot.views[n].copy_(tensors[n].detach(), non_blocking=True)
+                    src = tensors[n].detach()
+                    slot.views[n].copy_(src, non_blocking=True)
+                    if src.is_cuda:  # gathered for this copy and freed next: not reused before the side stream read it
+                        src.record_stream(stream)
             elif names:
-                torch._foreach_copy_([slot.views[n] for n in names], [tensors[n].detach() for n in names],
-                                     non_blocking=True)
+                torch._foreach_copy_(list(slot.views.values()), [tensors[n] for n in names], non_blocking=True)
             header = slot.buf[:HEADER].view(torch.int64)
             header[0].fill_(slot.publish)
             header[1].fill_(version)
@@ -327,18 +359,30 @@ class CudaIpcWeightBroadcaster(WeightBroadcaster):
                     "slots": [s.id for s in self._slots], "holders": {s.id: sorted(s.holders) for s in self._slots}}
 
     def close(self) -> None:
-        self._io.close()
+        def close_waker() -> None:
+            with self._wake_lock:
+                if self._waker is not None:
+                    self._waker.close(linger=0)
+                    self._waker = None
+
+        self._io.close(before_join=close_waker)
         with self._lock:
             self._slots.clear()
         self._finalizer()
 
     # -- I/O thread ----------------------------------------------------------------------------
     def _run(self) -> None:
-        sock = self._sock
+        sock, wake = self._sock, self._wake_pull
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
         try:
             while not self._io.stop.is_set():
-                if sock.poll(int(TICK_S * 1000)):
+                ready = dict(poller.poll(int(TICK_S * 1000)))
+                if sock in ready:
                     drain(sock, self._handle, MAX_DRAIN)
+                if wake in ready:
+                    drain(wake, lambda frames: None, MAX_DRAIN)
                 while True:
                     try:
                         to, body = self._outbox.get_nowait()
@@ -348,6 +392,7 @@ class CudaIpcWeightBroadcaster(WeightBroadcaster):
                         self._send_version(receiver_id, body)
         finally:
             sock.close(linger=0)
+            wake.close(linger=0)
 
     def _send_version(self, receiver_id: str, body: dict[str, Any]) -> None:
         identity = self._peers.get(receiver_id)
