@@ -116,7 +116,8 @@ def _baselines(update: Any) -> dict[str, float]:
     return out
 
 
-def _worker(backend: str, address: str, spec: dict[str, list[int]], trials: int, device: str, out: Any) -> None:
+def _worker(backend: str, address: str, spec: dict[str, list[int]], trials: int, device: str, wait_s: float,
+            out: Any) -> None:
     """The receiving process: applies every version into its engine tensors and reports times and checks."""
     try:
         import torch
@@ -128,19 +129,19 @@ def _worker(backend: str, address: str, spec: dict[str, list[int]], trials: int,
         if backend == "cuda_ipc":
             from asyncrl.weights.cuda_ipc_weights import CudaIpcWeightReceiver
 
-            receiver = CudaIpcWeightReceiver(address, receiver_id="w0", device=device, timeout_s=120)
+            receiver = CudaIpcWeightReceiver(address, receiver_id="w0", device=device, timeout_s=wait_s)
         else:
             from asyncrl.weights.nccl_weights import NcclWeightReceiver
 
-            receiver = NcclWeightReceiver(address, receiver_id="w0", device=device, timeout_s=120)
+            receiver = NcclWeightReceiver(address, receiver_id="w0", device=device, timeout_s=wait_s)
         t0 = time.perf_counter()
         receiver.start()
         out.put({"ready": True, "start_s": time.perf_counter() - t0, "stats": _plain(receiver.stats())})
         target = None
         for v in range(1, trials + 1):
-            update = receiver.wait(v, timeout=120)
+            update = receiver.wait(v, timeout=wait_s)
             if update is None:
-                raise TimeoutError(f"version {v} not staged within 120 s: {receiver.stats()}")
+                raise TimeoutError(f"version {v} not staged within {wait_s} s: {_plain(receiver.stats())}")
             t_staged = time.perf_counter()
             if target is None and "flat" in update.metadata:
                 target = FlatTarget(update, engine)  # first version: re-home the engine's tensors in one buffer
@@ -181,8 +182,9 @@ def _get(q: Any, proc: Any, timeout: float) -> dict[str, Any]:
 
 
 def run(backend: str = "cuda_ipc", layers: int = 28, vocab: int = 151936, trials: int = 20,
-        nccl_device: str | None = None) -> dict[str, Any]:
-    """One measurement; returns the result (rows, stats, summary)."""
+        nccl_device: str | None = None, wait_s: float = 120.0) -> dict[str, Any]:
+    """One measurement; returns the result (rows, stats, summary). ``wait_s`` bounds every wait on the other
+    process (its start, each version)."""
     import torch
 
     torch.cuda.set_device(0)
@@ -202,11 +204,12 @@ def run(backend: str = "cuda_ipc", layers: int = 28, vocab: int = 151936, trials
         device = nccl_device or ("cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    proc = ctx.Process(target=_worker, args=(backend, broadcaster.address, spec, trials, device, q), daemon=True)
+    proc = ctx.Process(target=_worker, args=(backend, broadcaster.address, spec, trials, device, wait_s, q),
+                       daemon=True)
     proc.start()
     rows: list[dict[str, Any]] = []
     try:
-        ready = _get(q, proc, 300)
+        ready = _get(q, proc, wait_s + 60)
         for v in range(1, trials + 1):
             if v > 1:
                 torch._foreach_add_(list(model.values()), 1.0)  # the next policy version
@@ -216,11 +219,11 @@ def run(backend: str = "cuda_ipc", layers: int = 28, vocab: int = 151936, trials
             t0 = time.perf_counter()
             stats = broadcaster.publish(model, version=v)
             publish_s = time.perf_counter() - t0
-            row = _get(q, proc, 300)
+            row = _get(q, proc, wait_s + 10)
             row.update(publish_s=publish_s, end_to_end_ms=(row["applied_at"] - t0) * 1e3,
                        verified=row["word_sum"] == want, publish_stats=stats)
             rows.append(row)
-        done = _get(q, proc, 120)
+        done = _get(q, proc, wait_s)
     finally:
         proc.join(30)
         if proc.is_alive():
@@ -247,6 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--nccl-device", default=None, help="the nccl receiver's GPU (default cuda:1 if there is one)")
+    p.add_argument("--wait-s", type=float, default=120.0, help="bound on every wait for the other process")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     import torch
@@ -257,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
                               "config": vars(args) | {"out": str(args.out)}, "machine": machine()}
     result["machine"]["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     try:
-        result.update(run(args.backend, args.layers, args.vocab, args.trials, args.nccl_device))
+        result.update(run(args.backend, args.layers, args.vocab, args.trials, args.nccl_device, args.wait_s))
     except Exception as e:  # noqa: BLE001 - recorded, not hidden: e.g. NCCL's "Duplicate GPU detected" on one GPU
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc()
@@ -265,6 +269,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         args.out.write_text(text)
     print(json.dumps({k: result.get(k) for k in ("backend", "bytes", "summary", "error")}, indent=1, default=str))
+    if "error" in result:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
