@@ -62,6 +62,35 @@ class ReferencePolicy:
                             "reference with ReferencePolicy.load(model_dir) instead")
         return cls(policy, disable_adapters=True)
 
+    @classmethod
+    def for_run(cls, model: torch.nn.Module, policy: torch.nn.Module, *, model_dir: str | Path, run_dir: str | Path,
+                lora: bool, warmed: bool, fresh: bool, dtype: str = "float32",
+                device: str | torch.device = "cpu") -> ReferencePolicy:
+        """A training run's reference, on every rank (collective when it saves): under LoRA the policy with its
+        adapters off; else a frozen copy of the policy the run started from: ``model_dir``, or after a full warm
+        start (``warmed``) the warmed policy, saved once into ``{run_dir}/model-ref`` by a ``fresh`` run (its full
+        state gathered from DDP or FSDP2 ``model``), so that a resumed run loads the same reference.
+
+        Args:
+            model: the wrapped policy (DDP, FSDP2) the trainer steps.
+            policy: the unwrapped HF (or peft) model.
+        """
+        import torch.distributed as dist
+
+        if lora:
+            return cls.of_peft(policy)
+        ref_dir = Path(run_dir) / "model-ref" if warmed else Path(model_dir)
+        if warmed and fresh:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            distributed = dist.is_available() and dist.is_initialized()
+            if not distributed or dist.get_rank() == 0:
+                policy.save_pretrained(ref_dir, state_dict={k.removeprefix("module."): v for k, v in full.items()})
+            if distributed:
+                dist.barrier()
+        return cls.load(ref_dir, dtype=dtype, device=device)
+
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
         """``[B, L]`` reference logprobs of a batch, as :func:`asyncrl.logprobs.token_logprobs` (no gradient)."""

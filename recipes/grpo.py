@@ -212,7 +212,9 @@ class GRPORecipe:
             continue_records(record_files(self.run_dir, self.rank), self.step, who=f"[rank {self.rank}] ")
         elif cfg.train.sft_steps and not cfg.lora.rank:
             self._sft_warmup()
-        self.reference = self._build_reference(fresh=latest is None) if cfg.loss.beta > 0 else None
+        self.reference = None if cfg.loss.beta == 0 else ReferencePolicy.for_run(  # the KL's frozen initial policy
+            self.model, self.policy, model_dir=self.model_dir, run_dir=self.run_dir, lora=bool(cfg.lora.rank),
+            warmed=bool(cfg.train.sft_steps), fresh=latest is None, dtype=cfg.model.dtype, device=self.device)
         cfg.loss.max_completion_length = cfg.loss.max_completion_length or cfg.rollout.worker.engine.max_new_tokens
         self._start_weight_sync()
         self._build_loader()
@@ -274,23 +276,6 @@ class GRPORecipe:
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         self.guard = UpdateGuard(self.model, self.optimizer, cfg.guard, grad_clip=cfg.train.grad_clip)
-
-    def _build_reference(self, fresh: bool) -> ReferencePolicy:
-        """The KL's reference (``loss.beta > 0``, asyncrl.reference): under LoRA the policy with its adapters off,
-        else a frozen copy of the policy the run started from: the model directory, or after a full warm start
-        the warmed policy, saved once into ``{run_dir}/model-ref`` so that a resumed run gets the same one."""
-        cfg = self.cfg
-        if cfg.lora.rank:
-            return ReferencePolicy.of_peft(self.policy)
-        ref_dir = self.model_dir if not cfg.train.sft_steps else str(self.run_dir / "model-ref")
-        if cfg.train.sft_steps and fresh:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            if self.rank == 0:
-                self.policy.save_pretrained(ref_dir, state_dict={k.removeprefix("module."): v for k, v in full.items()})
-            dist.barrier()
-        return ReferencePolicy.load(ref_dir, dtype=cfg.model.dtype, device=self.device)
 
     def _sft_warmup(self) -> None:
         """Brief supervised steps on the answers, so the policy starts with some reward signal."""
