@@ -183,3 +183,32 @@ def test_a_raising_reward_fails_its_lease_only_and_the_worker_keeps_serving(fn):
     worker.step([_lease(4)])  # still serving
     assert [lid for lid, _ in sender.groups] == [1, 3, 4]
     assert all(r.reward == 1.0 and r.reward_components == {fn.__name__: 1.0} for r in sender.groups[0][1].rollouts)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# components reach the batch, the debug record and the logged means
+
+
+def test_components_are_collated_recorded_and_averaged():
+    from asyncrl.debug.record import step_record
+    from asyncrl.rewards import component_means
+    from asyncrl.rollout import Group, Rollout
+    from datapipes.collate import collate_groups
+
+    def rollout(sample: int, components: dict) -> Rollout:
+        return Rollout(epoch=0, prompt_index=0, sample_index=sample, worker_id="w0", policy_version=0,
+                       prompt_ids=torch.tensor([1], dtype=torch.int32), response_ids=torch.tensor([2, 3], dtype=torch.int32),
+                       logprobs=torch.tensor([-0.5, -0.5]), reward=1.0, reward_components=components)
+
+    # the second rollout's judge returned None: no "judge" component there
+    group = Group(epoch=0, prompt_index=0, rollouts=[rollout(0, {"judge": 1.0, "format": 0.0}), rollout(1, {"format": 1.0})])
+    batch = collate_groups([group])
+    assert batch["reward_components"]["format"].tolist() == [0.0, 1.0]
+    judge = batch["reward_components"]["judge"]
+    assert judge[0] == 1.0 and judge[1].isnan()
+    assert component_means(batch["reward_components"]) == {"format": 0.5, "judge": 1.0}  # over the rows it scored
+    record = step_record(step=1, rank=0, policy_version=0, batch=batch, trainer_logprobs=batch["rollout_logprobs"],
+                         advantages=torch.zeros(2), accepted=True, guard_reason="", loss=0.0, grad_norm=0.0,
+                         update_ratio=0.0)
+    assert record["dist"]["reward/judge"]["n"] == 1 and record["dist"]["reward/judge"]["nonfinite"] == 0
+    assert record["dist"]["reward/format"]["mean"] == 0.5
