@@ -190,8 +190,11 @@ class CudaIpcMemory(IpcMemory):
 
         h = IpcHandle.from_wire(handle)
         index = _device_index_by_uuid(h.device_uuid)
-        with torch.cuda.device(index):
-            return rebuild_cuda_tensor(*h.rebuild_args(index))
+        try:
+            with torch.cuda.device(index):
+                return rebuild_cuda_tensor(*h.rebuild_args(index))
+        except RuntimeError as e:  # a CUDA error: a stale or foreign handle, or IPC unsupported here
+            raise WeightSyncError(f"cannot open the broadcaster's CUDA IPC buffer on cuda:{index}: {e}") from e
 
     def new_event(self) -> tuple[Any, bytes]:
         with torch.cuda.device(self.device):
@@ -200,7 +203,10 @@ class CudaIpcMemory(IpcMemory):
             return ev, bytes(ev.ipc_handle())
 
     def open_event(self, handle: bytes, buf: torch.Tensor) -> Any:
-        return torch.cuda.Event.from_ipc_handle(buf.device, handle)
+        try:
+            return torch.cuda.Event.from_ipc_handle(buf.device, handle)
+        except RuntimeError as e:
+            raise WeightSyncError(f"cannot open the broadcaster's CUDA IPC event on {buf.device}: {e}") from e
 
     def stream(self, device: torch.device | None = None) -> Any:
         return torch.cuda.Stream(self.device if device is None else device)

@@ -478,6 +478,7 @@ class CudaIpcWeightReceiver(StagedReceiver):
         self.timeout_s = timeout_s
         self._memory = memory if memory is not None else CudaIpcMemory(device)
         self._heard = threading.Event()
+        self._open_error: str | None = None
         self._commits: collections.deque[int] = collections.deque()
         self._releases: collections.deque[tuple[int, int, Any]] = collections.deque()
         # I/O thread only:
@@ -489,7 +490,15 @@ class CudaIpcWeightReceiver(StagedReceiver):
         self._next_want = 0.0
 
     def _wait_started(self) -> None:
-        if not self._heard.wait(self.timeout_s):
+        deadline = time.monotonic() + self.timeout_s
+        while not self._heard.wait(0.05) and time.monotonic() < deadline:
+            if self._staging.stats()["error"] is not None or self._open_error is not None:
+                break
+        if not self._heard.is_set():
+            error = self._staging.stats()["error"] or self._open_error
+            if error is not None:  # the I/O thread died, or the broadcaster's slots cannot be opened here
+                self.close()
+                raise WeightSyncError(f"receiver {self.receiver_id}: cannot start: {error}")
             self.close()
             raise WeightSyncError(f"receiver {self.receiver_id}: no reply from the cuda_ipc weight broadcaster at "
                                   f"{self.address!r} within timeout_s={self.timeout_s}; check the address and that "
@@ -549,6 +558,8 @@ class CudaIpcWeightReceiver(StagedReceiver):
             if m is not None and (type(body.get("slot")) is not int or type(body.get("publish")) is not int):
                 raise DecodeError("VERSION without an int slot and publish")
         except (DecodeError, WeightSyncError) as e:  # bad input or a slot that cannot be opened: counted
+            if isinstance(e, WeightSyncError):
+                self._open_error = str(e)
             self._staging.count("bad_messages")
             version = body.get("version") if isinstance(body, dict) else None
             self._fail(version if type(version) is int else None, f"bad message from the broadcaster: {e}")

@@ -183,6 +183,15 @@ def test_slots_are_opened_at_start_up_when_the_layout_is_prepared(pair):
     assert r.wait(1, timeout=10) is not None and r.stats()["slots_opened"] == 2
 
 
+def test_a_receiver_that_cannot_open_the_slots_fails_start_with_the_reason(pair, tmp_path):
+    b, r = pair(start=False)
+    b.prepare(_tensors(0))
+    for f in tmp_path.glob("buf-*"):
+        f.unlink()  # as if the handles were stale (or from a GPU this process does not see)
+    with pytest.raises(WeightSyncError, match="cannot start: cannot open"):
+        r.start()
+
+
 def test_a_reader_of_v_is_never_overwritten_by_later_versions(pair):
     b, r = pair(slot_wait_s=0.2)
     b.publish(_tensors(1), version=1)
