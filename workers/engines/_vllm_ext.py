@@ -1,8 +1,11 @@
 """vLLM worker extension (``worker_extension_cls``): runs inside vLLM's worker, in-process or not.
 
-Weights arrive as safetensors bytes, which survive vLLM's RPC serialization in every mode (tensors
-passed to ``collective_rpc`` arrive as plain lists in multiprocess mode), and are loaded through
-``reload_weights`` — ``model.load_weights`` breaks on CPU, whose backend prepacks linear weights.
+Full updates go through vLLM's native weight-transfer API to asyncrl's transfer engine
+(:mod:`workers.engines._vllm_transfer`, registered when this module is imported, which in a vLLM worker process
+happens before the model loads). The fallback here, :meth:`AsyncrlWorkerExtension.asyncrl_reload_weights`, takes
+safetensors bytes, which survive vLLM's RPC serialization in every mode (tensors passed to ``collective_rpc``
+arrive as plain lists in multiprocess mode), and loads them through ``reload_weights`` — ``model.load_weights``
+alone breaks on CPU, whose backend prepacks linear weights.
 
 Post-sync verification (:mod:`asyncrl.weights.verify`) reads the model runner's own parameters back
 under the trainer's (HF) names: vLLM fuses ``q/k/v_proj`` into ``qkv_proj`` and ``gate/up_proj`` into
