@@ -197,7 +197,7 @@ def test_prompts_and_seeding(model_dir):
     # Text is tokenized without special tokens, after the tokenizer's bos; prompt_ids pass through.
     assert first[0][0].prompt_ids.tolist() == [1, *a.tokenizer("hello", add_special_tokens=False).input_ids]
     assert first[1][0].prompt_ids.tolist() == PROMPTS[1]["prompt_ids"]
-    with pytest.raises(ValueError, match="'prompt_ids' or 'text'"):
+    with pytest.raises(ValueError, match="'prompt_ids', 'messages', 'prompt' or 'text'"):
         a.generate([GenerationRequest(epoch=0, prompt_index=0, prompt={"other": 1}, n=1)])
 
 
