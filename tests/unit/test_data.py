@@ -210,3 +210,10 @@ def test_the_warm_start_masks_the_prompt_by_its_tokens(tmp_path, tok):
         assert chars != n
     with pytest.raises(ValueError, match=r"needs an 'answer' column; items \[0\]"):
         sft_batch([{"prompt_ids": [1, 2], "prompt": "x"}], tok)
+
+
+def test_a_hub_name_offline_is_refused_naming_it(tok, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(ValueError, match=r"data.path='asyncrl-tests/no-such-dataset': could not load split 'train'"):
+        load_prompts(DataConfig(source="datasets", path="asyncrl-tests/no-such-dataset"), tok)
