@@ -35,6 +35,7 @@ __all__ = [
     "INLINE_MAX_BYTES",
     "MAGIC",
     "SCHEMA_VERSION",
+    "TENSOR_DTYPES",
     "decode",
     "dumps_json",
     "encode",
@@ -53,7 +54,7 @@ _EXT_TENSOR_INLINE = 2  # torch.Tensor, bytes inline
 _EXT_NDARRAY = 3  # numpy.ndarray, bytes in a separate frame
 _EXT_NDARRAY_INLINE = 4  # numpy.ndarray, bytes inline
 
-_TORCH_DTYPES: dict[str, torch.dtype] = {
+TENSOR_DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
     "uint8": torch.uint8,
     "int8": torch.int8,
@@ -65,6 +66,8 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float64": torch.float64,
 }
+"""The tensor dtypes that travel, by wire name (rollouts and weights share this table)."""
+_TORCH_DTYPES = TENSOR_DTYPES
 _DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
 _NUMPY_DTYPES = {k: np.dtype(k) for k in _TORCH_DTYPES if k != "bfloat16"}
 

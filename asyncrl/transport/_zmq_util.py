@@ -1,12 +1,28 @@
-"""Small ZeroMQ helpers shared by the rollout and weight channels."""
+"""ZeroMQ machinery shared by the rollout and weight channels (private).
+
+* :class:`IOThread`: the context, stop event, background thread and finalizer that every ZeroMQ end
+  (:mod:`asyncrl.transport.zmq_transport`, :mod:`asyncrl.weights.zmq_weights`) owns. The thread owns
+  its sockets; the owner's thread only sets the stop event. :meth:`IOThread.close` joins the thread and
+  terminates the context once the thread has closed its sockets; a garbage-collected owner stops it too.
+* :func:`drain`: receive what is ready without blocking.
+* :func:`is_loopback_bind`: whether a bind stays on this machine (loopback TCP, ``ipc://``, ``inproc://``),
+  the test behind "nobody in by default" on both channels.
+"""
 
 from __future__ import annotations
 
+import ipaddress
+import threading
+import weakref
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 import zmq
 
-__all__ = ["drain"]
+__all__ = ["IOThread", "drain", "is_loopback_bind"]
+
+JOIN_S = 10.0
+"""How long :meth:`IOThread.close` waits for the thread (which polls its stop event every few ms)."""
 
 
 def drain(sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], object], limit: int) -> int:
@@ -18,3 +34,63 @@ def drain(sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], object], limit: 
             return n
         handle(frames)
     return limit
+
+
+def is_loopback_bind(bind: str) -> bool:
+    """True for ``ipc://``/``inproc://`` and for TCP on ``localhost`` or a loopback address."""
+    if not bind.startswith("tcp://"):
+        return True
+    host = urlsplit(bind).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # an interface name, a hostname or "*": reachable from elsewhere
+        return False
+
+
+def _set(stop: threading.Event) -> None:
+    stop.set()
+
+
+class IOThread:
+    """A ZeroMQ context, a stop event and the one thread that owns the owner's sockets.
+
+    Args:
+        owner: the object whose garbage collection stops the thread (it must not be referenced by ``target``
+            through a strong reference cycle that outlives it; bound methods are fine: the thread ends first).
+        name: the thread's name.
+        context: whether the thread needs a ZeroMQ context (:attr:`ctx`); a thread without sockets does not.
+    """
+
+    def __init__(self, owner: object, name: str, *, context: bool = True):
+        self.name = name
+        self.ctx: zmq.Context | None = zmq.Context() if context else None
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        self._finalizer = weakref.finalize(owner, _set, self.stop)
+
+    @property
+    def started(self) -> bool:
+        return self.thread is not None
+
+    def start(self, target: Callable[[], None]) -> None:
+        """Starts ``target`` (which returns once :attr:`stop` is set) in the background, once."""
+        if self.thread is None:
+            self.thread = threading.Thread(target=target, name=self.name, daemon=True)
+            self.thread.start()
+
+    def close(self, before_join: Callable[[], None] | None = None) -> bool:
+        """Stops and joins the thread (not from the thread itself) and terminates the context once the thread
+        has closed its sockets; returns whether it did. ``before_join`` runs after the stop event is set."""
+        self.stop.set()
+        if before_join is not None:
+            before_join()
+        joined = False
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=JOIN_S)
+            joined = not self.thread.is_alive()
+        if (joined or self.thread is None) and self.ctx is not None:
+            self.ctx.term()
+        self._finalizer()
+        return joined or self.thread is None

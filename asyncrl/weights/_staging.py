@@ -1,48 +1,42 @@
-"""Private machinery shared by the weight backends: bucket packing, verified unpacking, staging.
+"""Private machinery shared by the weight backends: publish checks, views of staged buckets, staging.
 
-* Broadcaster side: :func:`check_publish` validates a publish call; :func:`fill_bucket` copies tensors
-  into one bucket's contiguous uint8 buffer (``detach().cpu().contiguous()`` in a single copy, padding
-  zeroed so the bytes on the wire are deterministic); :func:`tensor_bytes` gives a tensor's bytes as a
-  memoryview without a copy (for writers that stream tensors, e.g. into a file).
-* Receiver side: :func:`buckets_from_wire` validates a manifest a peer controls; :func:`unpack_bucket`
-  views the tensors of one verified bucket inside a buffer the receiver owns.
+* Broadcaster side: :func:`check_publish` validates a publish call; :func:`tensor_bytes` gives a tensor's
+  bytes as a memoryview without a copy. (Copies into buckets are fused with the checksum:
+  :mod:`asyncrl.weights._checksum`.)
+* Receiver side: :func:`unpack_bucket` views the tensors of one verified bucket inside a buffer the
+  receiver owns (a reused receive buffer, a shared-memory segment): the engine loads from those views.
 * :class:`StagingArea`: the two-phase state of one receiver. Its I/O thread stages verified updates
   and records failures; the worker's thread polls, waits and commits. Only ``wait`` blocks (on a
-  condition variable, with a timeout); everything else takes the lock briefly.
+  condition variable, with a timeout); everything else takes the lock briefly. It also decides when the
+  memory under a staged update may be reused (its *hold* is released), see :class:`StagingArea`.
 """
 
 from __future__ import annotations
 
 import collections
-import math
 import re
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from asyncrl.codec import DecodeError
-from asyncrl.weights.base import Bucket, TensorSlot, WeightSyncError, WeightUpdate, tensor_specs
+from asyncrl.codec import TENSOR_DTYPES
+from asyncrl.weights.base import Bucket, WeightSyncError, WeightUpdate, tensor_specs
+from asyncrl.weights.protocol import MODES
 
 __all__ = [
     "DTYPES",
     "MODES",
     "StagingArea",
-    "buckets_from_wire",
     "check_publish",
     "check_receiver_id",
-    "fill_bucket",
     "tensor_bytes",
     "unpack_bucket",
 ]
 
-MODES = ("full", "lora")
-DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64")
-}
+DTYPES = TENSOR_DTYPES
 MAX_RECENT_FAILURES = 8
 _RECEIVER_ID = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 
@@ -74,75 +68,16 @@ def check_publish(
             raise ValueError(f"tensor {name!r} has dtype {t.dtype}, not one of {sorted(DTYPES)}")
 
 
-def fill_bucket(bucket: Bucket, tensors: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
-    """Copies the bucket's tensors into ``out`` (uint8, ``bucket.nbytes`` long) at their offsets."""
-    end = 0
-    for slot in bucket.slots:
-        if slot.offset > end:
-            out[end : slot.offset].zero_()
-        if slot.nbytes:
-            src = tensors[slot.name].detach()
-            out[slot.offset : slot.offset + slot.nbytes].view(src.dtype).view(src.shape).copy_(src)
-        end = slot.offset + slot.nbytes
-    if end < bucket.nbytes:
-        out[end:].zero_()
-
-
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The tensor's bytes, C-contiguous on the CPU (copies only if it is not already)."""
     flat = t.detach().cpu().contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
-def buckets_from_wire(items: Any) -> list[Bucket]:
-    """Parses and checks a manifest's buckets (peer input).
-
-    Raises:
-        DecodeError: for anything that would make :func:`unpack_bucket` read outside a bucket,
-            mistype a tensor or drop one.
-    """
-    if not isinstance(items, list):
-        raise DecodeError(f"manifest buckets must be a list, got {type(items).__name__}")
-    buckets: list[Bucket] = []
-    names: set[str] = set()
-    for position, item in enumerate(items):
-        try:
-            bucket = Bucket.from_wire(item)
-        except (KeyError, TypeError, ValueError) as e:
-            raise DecodeError(f"malformed bucket {position}: {type(e).__name__}: {e}") from e
-        if bucket.index != position or type(bucket.nbytes) is not int or bucket.nbytes < 0:
-            raise DecodeError(f"bucket {position}: index {bucket.index!r} / nbytes {bucket.nbytes!r} invalid")
-        if type(bucket.checksum) is not int or not 0 <= bucket.checksum < 2**32:
-            raise DecodeError(f"bucket {position}: checksum {bucket.checksum!r} is not a crc32")
-        for slot in bucket.slots:
-            _check_slot(position, bucket.nbytes, slot)
-            if slot.name in names:
-                raise DecodeError(f"tensor {slot.name!r:.100} appears twice in the manifest")
-            names.add(slot.name)
-        buckets.append(bucket)
-    return buckets
-
-
-def _check_slot(position: int, bucket_nbytes: int, slot: TensorSlot) -> None:
-    where = f"bucket {position}, tensor {slot.name!r:.100}"
-    if not isinstance(slot.name, str) or slot.dtype not in DTYPES:
-        raise DecodeError(f"{where}: bad name or dtype {slot.dtype!r:.40}")
-    if not all(type(d) is int and d >= 0 for d in slot.shape) or len(slot.shape) > 16:
-        raise DecodeError(f"{where}: bad shape {slot.shape!r:.100}")
-    itemsize = DTYPES[slot.dtype].itemsize
-    if type(slot.nbytes) is not int or slot.nbytes != math.prod(slot.shape) * itemsize:
-        raise DecodeError(f"{where}: nbytes {slot.nbytes!r} does not match {slot.dtype}{slot.shape}")
-    if type(slot.offset) is not int or slot.offset < 0 or slot.offset % itemsize:
-        raise DecodeError(f"{where}: offset {slot.offset!r} is negative or misaligned for {slot.dtype}")
-    if slot.offset + slot.nbytes > bucket_nbytes:
-        end = slot.offset + slot.nbytes
-        raise DecodeError(f"{where}: bytes [{slot.offset}, {end}) exceed the bucket's {bucket_nbytes}")
-
-
 def unpack_bucket(bucket: Bucket, buf: torch.Tensor) -> dict[str, torch.Tensor]:
     """Views the bucket's tensors in ``buf`` (uint8, owned by the caller); no copy.
 
-    ``bucket`` must come from :func:`buckets_from_wire` and ``buf`` must hold verified bytes.
+    ``bucket`` must come from :func:`asyncrl.weights.protocol.buckets_from_wire` and ``buf`` hold verified bytes.
     """
     out = {}
     for slot in bucket.slots:
@@ -157,9 +92,16 @@ def unpack_bucket(bucket: Bucket, buf: torch.Tensor) -> dict[str, torch.Tensor]:
 class StagingArea:
     """Receiver state: the newest staged update, the committed version, counters and failures.
 
-    Lifecycle of a version: ``fetching`` (I/O thread, private buffers) ``-> staged`` (all buckets
+    Lifecycle of a version: ``fetching`` (I/O thread, its buffers) ``-> staged`` (all buckets
     verified; :meth:`poll`/:meth:`wait` return it) ``-> committed`` (the worker applied it and called
     :meth:`commit`; the staged reference is dropped). A failed transfer never reaches ``staged``.
+
+    Holds: the tensors of a staged update are views into memory the backend reuses (a receive buffer, a
+    shared-memory slot). :meth:`stage` takes a ``release`` callback; it is called (once, in whichever thread
+    made the update unused) when the update is neither staged nor *handed out*: an update returned by
+    :meth:`poll`/:meth:`wait` stays valid until its version is committed or a later call returns another
+    update. So an engine loading from the views never sees them change, and an update superseded before the
+    worker looked at it frees its memory at once.
 
     Args:
         name: for log and error messages (the receiver id).
@@ -177,6 +119,8 @@ class StagingArea:
         self._counters: collections.Counter[str] = collections.Counter()
         self._failures: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_RECENT_FAILURES)
         self._info: dict[str, Any] = {}
+        self._handed: WeightUpdate | None = None
+        self._holds: dict[int, tuple[WeightUpdate, Callable[[], None]]] = {}
 
     # -- I/O thread ----------------------------------------------------------------------------
     def newest(self) -> int | None:
@@ -197,8 +141,11 @@ class StagingArea:
         with self._cv:
             return self._staged.incarnation if self._staged is not None else self._committed_incarnation
 
-    def stage(self, update: WeightUpdate) -> None:
+    def stage(self, update: WeightUpdate, release: Callable[[], None] | None = None) -> None:
+        """Makes ``update`` the staged one; ``release()`` is called once it is unused (see the class)."""
         with self._cv:
+            if release is not None:
+                self._holds[id(update)] = (update, release)
             self._staged = update
             self._staged_recent.append((update.version, update.incarnation))
             self._counters["versions_staged"] += 1
@@ -206,6 +153,15 @@ class StagingArea:
             self._info["staged_version"] = update.version
             self._info["last_transfer_s"] = update.metadata.get("transfer_s")
             self._cv.notify_all()
+            if self._closed:  # staged while the receiver closed: nobody will apply it
+                self._staged = None
+            unused = self._take_unused()
+        _release(unused)
+
+    def _take_unused(self) -> list[Callable[[], None]]:
+        """(Under the lock.) Pops the release callbacks of updates neither staged nor handed out."""
+        done = [k for k, (u, _) in self._holds.items() if u is not self._staged and u is not self._handed]
+        return [self._holds.pop(k)[1] for k in done]
 
     def fail(self, version: int | None, reason: str) -> None:
         with self._cv:
@@ -227,9 +183,13 @@ class StagingArea:
             self._cv.notify_all()
 
     def close(self) -> None:
+        """Wakes waiters and releases every hold (the receiver is closing: nothing is applied any more)."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
+            self._staged = self._handed = None
+            unused = self._take_unused()
+        _release(unused)
 
     # -- worker thread -------------------------------------------------------------------------
     def _ready(self, version: int | None, incarnation: str | None = None) -> WeightUpdate | None:
@@ -243,9 +203,17 @@ class StagingArea:
             return None  # another incarnation's weights (a publisher without incarnations matches any)
         return s if version is None or s.version >= version else None
 
+    def _hand(self, update: WeightUpdate | None) -> tuple[WeightUpdate | None, list[Callable[[], None]]]:
+        if update is None or update is self._handed:
+            return update, []
+        self._handed = update
+        return update, self._take_unused()
+
     def poll(self) -> WeightUpdate | None:
         with self._cv:
-            return self._ready(None)
+            update, unused = self._hand(self._ready(None))
+        _release(unused)
+        return update
 
     def wait(self, version: int, timeout: float, incarnation: str | None = None) -> WeightUpdate | None:
         deadline = time.monotonic() + timeout
@@ -255,7 +223,9 @@ class StagingArea:
                 if remaining <= 0:
                     return None
                 self._cv.wait(remaining)
-            return update
+            update, unused = self._hand(update)
+        _release(unused)
+        return update
 
     def commit(self, version: int) -> None:
         """Records ``version`` as applied; raises ``ValueError`` unless it was staged and is newer."""
@@ -272,7 +242,11 @@ class StagingArea:
             self._committed, self._committed_incarnation = version, incarnation
             if self._staged is not None and self._staged.version <= version and self._staged.incarnation == incarnation:
                 self._staged = None  # the engine holds the tensors now; free ours
+            if self._handed is not None and self._handed.version <= version and self._handed.incarnation == incarnation:
+                self._handed = None
             self._counters["versions_committed"] += 1
+            unused = self._take_unused()
+        _release(unused)
 
     @property
     def committed_version(self) -> int | None:
@@ -292,4 +266,10 @@ class StagingArea:
             out["pending_version"] = s.version if fresh else None
             out["error"] = None if self._error is None else repr(self._error)
             out["recent_failures"] = list(self._failures)
+            out["held_updates"] = len(self._holds)
             return out
+
+
+def _release(callbacks: list[Callable[[], None]]) -> None:
+    for release in callbacks:
+        release()

@@ -19,12 +19,12 @@ machines, ``shm_weights.py`` on one machine); CUDA IPC and NCCL plug in behind t
 from __future__ import annotations
 
 import abc
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+import xxhash
 
 __all__ = [
     "Bucket",
@@ -82,7 +82,8 @@ class Bucket:
     nbytes: int
     slots: list[TensorSlot]
     checksum: int = 0
-    """crc32 of the bucket bytes (corruption check; use CURVE for authenticity)."""
+    """:func:`bucket_checksum` of the bucket bytes (corruption check; use CURVE for authenticity). 0 in a
+    manifest sent before the bucket was written: the backends then carry it with the bucket."""
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -128,7 +129,8 @@ def plan_buckets(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list
 
 
 def bucket_checksum(data: memoryview | bytes | bytearray) -> int:
-    return zlib.crc32(data)
+    """xxh3-64 of a buffer's bytes, hashed in place (``asyncrl.weights._checksum`` fuses it with copies)."""
+    return xxhash.xxh3_64_intdigest(data)
 
 
 class WeightBroadcaster(abc.ABC):

@@ -1,40 +1,57 @@
-"""Shared-memory backend of weight sync (one machine): both ends of its file protocol.
+"""Shared-memory backend of weight sync (one machine): both ends of its segment protocol.
 
-The broadcaster and its receivers share one directory (by default a fresh one under ``/dev/shm``,
-so files live in RAM)::
+The broadcaster and its receivers share one directory (by default a fresh one under ``/dev/shm``, so
+files live in RAM)::
 
-    v{version}.bin            every bucket of one version back to back, in index order (immutable)
-    latest.json               the newest version: {format, version, mode, lora_config, file, nbytes,
-                              buckets (Bucket.to_wire, with crc32)}; replaced atomically
-    committed-{receiver}.json {receiver_id, version, pid, time}: phase two, written by each receiver
+    {token}-slot{0,1}-{gen}.seg   two persistent segments per weight layout (double buffering): a header
+                                  [magic, publish, buckets, written, state, checksum per bucket] then the
+                                  buckets back to back from ``data_offset``
+    latest.json                   the newest version: {format, publish, segment, data_offset, version,
+                                  incarnation, mode, lora_config, nbytes, buckets}; replaced atomically
+    committed-{receiver}.json     {receiver_id, version, pid, time}: phase two, written by each receiver
 
-Writers never modify a visible file: each is written under a dot-prefixed temporary name and
-``os.replace``d into place, so a reader sees the old file or the new one, never half of one. The
-broadcaster deletes the ``.bin`` files of versions older than the newest ``keep_versions``; a
-receiver that already opened one keeps reading it (POSIX unlink semantics).
+Segments are created, allocated (``posix_fallocate``) and mapped with their page tables populated once per
+weight layout, and reused by every later version of that layout: no page faults on the way. Versions
+alternate between the two slots, so a receiver still reading (or applying) version ``v`` is never
+overwritten by ``v + 1``. Holds are ``flock`` locks, which the kernel drops when a receiver dies: a
+receiver takes a shared lock on the slot of the version it reads and keeps it until that version is
+committed or superseded (:class:`~asyncrl.weights._staging.StagingArea`'s holds); the broadcaster takes
+the exclusive lock before it reuses a slot. A slot still held after ``slot_wait_s`` (a stuck receiver) is
+not waited for further: the broadcaster unlinks that segment and writes into a fresh one (counted in
+``stats()["slots_replaced"]``); the stuck receiver keeps its intact mapping of the old one.
 
-Who blocks on what: the trainer thread blocks in :meth:`ShmWeightBroadcaster.publish` while it
-writes (one copy into the file) and checksums the version. Each receiver's I/O thread stats
-``latest.json`` every ``poll_s`` (re-reading it only when inode/mtime/size change, or to retry a
-failure after ``RETRY_S``), reads the new version's buckets into private buffers, verifies each
-crc32 and stages the update; a newer ``latest.json`` between two buckets abandons the older
-version. The worker's thread blocks only in :meth:`ShmWeightReceiver.wait`. A vanished, truncated
-or corrupted file is a counted, logged failure: nothing is staged and the committed version stays.
+Pipelining: ``latest.json`` is written before the first bucket. The broadcaster then copies bucket after
+bucket into the slot, each copy fused with the bucket's checksum (``asyncrl.weights._checksum``), and
+publishes each bucket by storing its checksum and then the header's ``written`` count; a receiver
+verifies bucket ``i`` in place while the broadcaster writes ``i + 1``, and stages views into the segment:
+the engine loads from them (HF: ``param.copy_(view)``), with no copy in between. (The two stores rely on
+the store order of x86 and of the Linux memory model for shared mappings between processes on one
+machine; ARM would need a fence.)
+
+Who blocks on what: the trainer thread blocks in :meth:`ShmWeightBroadcaster.publish` while it waits for
+the slot (at most ``slot_wait_s``) and writes the version. Each receiver's I/O thread stats
+``latest.json`` every ``poll_s`` and, during a transfer, polls the header's ``written`` every ``SPIN_S``; a
+newer ``latest.json`` between two buckets abandons the older version. The worker's thread blocks only in
+:meth:`ShmWeightReceiver.wait`. A vanished, truncated, failed or corrupted segment is a counted, logged
+failure: nothing is staged and the committed version stays; a torn version is never staged.
 """
 
 from __future__ import annotations
 
-import collections
+import fcntl
 import logging
+import mmap
 import os
-import re
+import secrets
 import shutil
+import struct
 import tempfile
 import threading
 import time
+import warnings
 import weakref
-import zlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,35 +59,26 @@ import orjson
 import torch
 
 from asyncrl.codec import DecodeError
-from asyncrl.weights._staging import (
-    MODES,
-    StagingArea,
-    buckets_from_wire,
-    check_publish,
-    check_receiver_id,
-    tensor_bytes,
-    unpack_bucket,
-)
-from asyncrl.weights.base import (
-    WeightBroadcaster,
-    WeightMode,
-    WeightReceiver,
-    WeightSyncError,
-    WeightUpdate,
-    bucket_checksum,
-    plan_buckets,
-)
+from asyncrl.weights._checksum import checksum, fill_bucket
+from asyncrl.weights._receiver import StagedReceiver
+from asyncrl.weights._staging import check_publish, check_receiver_id, unpack_bucket
+from asyncrl.weights.base import Bucket, WeightBroadcaster, WeightMode, WeightSyncError, WeightUpdate, plan_buckets
+from asyncrl.weights.protocol import Manifest
 
 __all__ = ["ShmWeightBroadcaster", "ShmWeightReceiver"]
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
 LATEST = "latest.json"
-RETRY_S = 1.0
-"""A failed version is read again at the earliest this long after the failure."""
-_BIN_NAME = re.compile(r"v\d{1,20}\.bin")
-_ZEROS = bytes(1 << 16)
+MAGIC = 0x4745_5357_4C52_5341  # b"ASRLWSEG", little-endian
+_HEADER = struct.Struct("<QQIIII")  # magic, publish, buckets, written, state, reserved
+_CHECKSUM = struct.Struct("<Q")
+EMPTY, WRITING, COMPLETE, FAILED = 0, 1, 2, 3
+PAGE = 4096
+SPIN_S = 0.0002
+"""How often a receiver looks at the header's ``written`` count while it waits for the next bucket."""
+LOCK_POLL_S = 0.0005
 
 
 def _default_directory() -> str:
@@ -80,68 +88,120 @@ def _default_directory() -> str:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}-{threading.get_ident()}")
     tmp.write_bytes(data)
     os.replace(tmp, path)
 
 
-def _crc_zeros(n: int, crc: int) -> int:
-    while n > 0:
-        crc = zlib.crc32(_ZEROS[: min(n, len(_ZEROS))], crc)
-        n -= len(_ZEROS)
-    return crc
+def _data_offset(n_buckets: int) -> int:
+    return (_HEADER.size + _CHECKSUM.size * n_buckets + PAGE - 1) // PAGE * PAGE
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while data.nbytes:
-        n = os.pwrite(fd, data, offset)  # one call moves at most ~2 GiB on Linux
-        data, offset = data[n:], offset + n
+def _lock(fd: int, how: int, timeout: float) -> bool:
+    """``flock(fd, how)`` within ``timeout`` seconds (polling: a blocking flock cannot time out)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, how | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(LOCK_POLL_S)
 
 
-def _pread_into(fd: int, out: memoryview, offset: int) -> int:
-    done = 0
-    while done < out.nbytes:
-        n = os.preadv(fd, [out[done:]], offset + done)
-        if n == 0:
-            break
-        done += n
-    return done
+def _buffer(mm: mmap.mmap) -> torch.Tensor:
+    with warnings.catch_warnings():  # a receiver's mapping is read-only on purpose: nobody writes a slot but its broadcaster
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(mm, dtype=torch.uint8)
 
 
-def _cleanup(directory: str, owned: bool, written: collections.deque[str]) -> None:
+class _Segment:
+    """A broadcaster's slot: a file in the shared directory, allocated and mapped once."""
+
+    def __init__(self, path: Path, layout: tuple[int, ...]):
+        self.path, self.layout = path, layout
+        self.data_offset = _data_offset(len(layout))
+        self.size = self.data_offset + max(sum(layout), 1)
+        self.fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.posix_fallocate(self.fd, 0, self.size)  # every page now (ENOSPC here, not SIGBUS later)
+            self.mm = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        except BaseException:
+            os.close(self.fd)
+            path.unlink(missing_ok=True)
+            raise
+        self.buf = _buffer(self.mm)
+        _HEADER.pack_into(self.mm, 0, MAGIC, 0, len(layout), 0, EMPTY, 0)
+
+    def bucket(self, offset: int, nbytes: int) -> torch.Tensor:
+        return self.buf[self.data_offset + offset : self.data_offset + offset + nbytes]
+
+    def begin(self, publish: int) -> None:
+        """(Holding the exclusive lock.) Claims the slot for ``publish``: receivers of its old content see it."""
+        _HEADER.pack_into(self.mm, 0, MAGIC, publish, len(self.layout), 0, WRITING, 0)
+
+    def written(self, index: int, value: int) -> None:
+        _CHECKSUM.pack_into(self.mm, _HEADER.size + _CHECKSUM.size * index, value)
+        struct.pack_into("<I", self.mm, 20, index + 1)  # after the checksum: a reader sees both or neither
+
+    def finish(self, state: int) -> None:
+        struct.pack_into("<I", self.mm, 24, state)
+
+    def vanished(self) -> bool:
+        return os.fstat(self.fd).st_nlink == 0
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
+        os.close(self.fd)  # the mapping (and receivers' mappings) stay valid until dropped
+
+
+def _cleanup(directory: str, owned: bool, segments: list[_Segment]) -> None:
+    for seg in segments:
+        try:
+            seg.close()
+        except OSError:
+            pass
+    segments.clear()
     if owned:
         shutil.rmtree(directory, ignore_errors=True)
-        return
-    for name in [*written, LATEST]:
-        Path(directory, name).unlink(missing_ok=True)
+    else:
+        Path(directory, LATEST).unlink(missing_ok=True)
 
 
 class ShmWeightBroadcaster(WeightBroadcaster):
-    """Trainer end: writes each version into a file in a shared directory.
+    """Trainer end: writes each version into one of two persistent shared-memory segments.
 
     Args:
         directory: the shared directory (created if missing). Default: a fresh directory under
             ``/dev/shm`` (else the system temp dir), removed on :meth:`close`; a given directory
             keeps everything but the files this broadcaster wrote.
-        bucket_bytes: the bucket size (checksum granularity; a larger tensor gets its own bucket).
-        keep_versions: ``.bin`` files kept (the newest is always kept).
+        bucket_bytes: the bucket size (checksum and pipelining granularity; a larger tensor gets its own bucket).
+        slot_wait_s: how long a publish waits for receivers to release the slot it reuses before it
+            replaces that slot's segment with a fresh one.
+        keep_versions: accepted for compatibility with the zmq backend; two slots are always kept.
     """
 
     def __init__(self, directory: str | os.PathLike | None = None, *, bucket_bytes: int = 64 << 20,
-                 keep_versions: int = 2):
-        if bucket_bytes <= 0 or keep_versions < 1:
-            raise ValueError(f"{bucket_bytes=} must be > 0 and {keep_versions=} >= 1")
+                 slot_wait_s: float = 1.0, keep_versions: int = 2):
+        if bucket_bytes <= 0 or slot_wait_s < 0 or keep_versions < 1:
+            raise ValueError(f"{bucket_bytes=} must be > 0, {slot_wait_s=} >= 0 and {keep_versions=} >= 1")
         owned = directory is None
         self.directory = Path(_default_directory() if directory is None else directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.bucket_bytes = bucket_bytes
-        self.keep_versions = keep_versions
+        self.slot_wait_s = slot_wait_s
+        self._token = secrets.token_hex(4)
         self._lock = threading.Lock()
         self._last_version: int | None = None
-        self._written: collections.deque[str] = collections.deque()
-        self._corrupt_next: int | None = None
-        self._counters: collections.Counter[str] = collections.Counter()
-        self._finalizer = weakref.finalize(self, _cleanup, str(self.directory), owned, self._written)
+        self._publish = 0
+        self._generation = 0
+        self._layout: tuple[int, ...] | None = None
+        self._slots: list[_Segment] = []
+        self._next_slot = 0
+        self._counters: dict[str, float] = {"versions_published": 0, "segments_created": 0, "slot_waits": 0,
+                                            "slot_wait_s": 0.0, "slots_replaced": 0}
+        self._finalizer = weakref.finalize(self, _cleanup, str(self.directory), owned, self._slots)
 
     @property
     def address(self) -> str:
@@ -158,62 +218,69 @@ class ShmWeightBroadcaster(WeightBroadcaster):
     ) -> dict[str, Any]:
         with self._lock:
             check_publish(tensors, version, self._last_version, mode, lora_config)
-            orjson.dumps(lora_config)  # TypeError here, before anything is visible to receivers
-            corrupt, self._corrupt_next = self._corrupt_next, None
             t0 = time.perf_counter()
             buckets = plan_buckets(tensors, self.bucket_bytes)
-            if corrupt is not None and (not 0 <= corrupt < len(buckets) or buckets[corrupt].nbytes == 0):
-                raise ValueError(f"corrupt_next({corrupt}): version {version} has {len(buckets)} buckets "
-                                 f"and that one must hold bytes")
-            name = f"v{version}.bin"
-            nbytes = self._write_bin(name, tensors, buckets, corrupt)
-            manifest = {"format": FORMAT, "version": version, "incarnation": incarnation, "mode": mode,
-                        "lora_config": lora_config,
-                        "file": name, "nbytes": nbytes, "buckets": [b.to_wire() for b in buckets]}
-            _write_atomic(self.directory / LATEST, orjson.dumps(manifest))
+            manifest = Manifest(version=version, incarnation=incarnation, mode=mode, lora_config=lora_config,
+                                buckets=buckets)
+            body = {"format": FORMAT, **manifest.to_wire()}
+            orjson.dumps(body)  # TypeError here (a lora_config JSON refuses), before anything is visible
+            seg = self._claim(tuple(b.nbytes for b in buckets))
+            t1 = time.perf_counter()
+            self._publish += 1
+            seg.begin(self._publish)
+            fcntl.flock(seg.fd, fcntl.LOCK_UN)  # readers of this publish may lock it from now on
+            body.update(publish=self._publish, segment=seg.path.name, data_offset=seg.data_offset)
+            _write_atomic(self.directory / LATEST, orjson.dumps(body))
+            try:
+                offset = 0
+                for b in buckets:
+                    seg.written(b.index, self._fill(b, tensors, seg.bucket(offset, b.nbytes)))
+                    offset += b.nbytes
+            except BaseException:
+                seg.finish(FAILED)  # receivers fail this version; nothing torn is staged
+                raise
+            seg.finish(COMPLETE)
+            self._next_slot ^= 1
             self._last_version = version
-            self._written.append(name)
-            while len(self._written) > self.keep_versions:
-                (self.directory / self._written.popleft()).unlink(missing_ok=True)
             self._counters["versions_published"] += 1
-        return {"version": version, "bytes": nbytes, "buckets": len(buckets), "publish_s": time.perf_counter() - t0}
+        return {"version": version, "bytes": manifest.nbytes, "buckets": len(buckets),
+                "slot_wait_s": t1 - t0, "publish_s": time.perf_counter() - t0}
 
-    def _write_bin(self, name: str, tensors: Mapping[str, torch.Tensor], buckets: list, corrupt: int | None) -> int:
-        """Writes the buckets to ``name`` (via a temp file) and fills in their checksums; returns the size."""
-        tmp = self.directory / f".{name}.tmp"
-        fd = os.open(tmp, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
-        base = 0
-        try:
-            os.ftruncate(fd, sum(b.nbytes for b in buckets))  # padding between tensors reads as zeros
-            for b in buckets:
-                crc, end = 0, 0
-                for slot in b.slots:
-                    crc = _crc_zeros(slot.offset - end, crc)
-                    data = tensor_bytes(tensors[slot.name])
-                    crc = zlib.crc32(data, crc)
-                    _pwrite_all(fd, data, base + slot.offset)
-                    end = slot.offset + slot.nbytes
-                b.checksum = _crc_zeros(b.nbytes - end, crc)
-                if corrupt == b.index:  # fault injection: the manifest keeps the true checksum
-                    at = base + b.nbytes // 2
-                    os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0xFF]), at)
-                base += b.nbytes
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.directory / name)
-        return base
+    def _fill(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], out: torch.Tensor) -> int:
+        """Copies one bucket into the slot and returns its checksum (the per-bucket write; tests that corrupt
+        a bucket after its checksum override this)."""
+        return fill_bucket(bucket, tensors, out)
 
-    def corrupt_next(self, bucket_index: int) -> None:
-        """Fault injection for tests: the next published version has ``bucket_index`` corrupted.
+    def _claim(self, layout: tuple[int, ...]) -> _Segment:
+        """(Under ``_lock``.) The slot for the next version, exclusively locked: no receiver reads it."""
+        if layout != self._layout:  # a new weight layout: new segments (receivers keep their old mappings)
+            for seg in self._slots:
+                seg.close()
+            self._slots[:] = [self._new_segment(k, layout) for k in range(2)]
+            self._layout, self._next_slot = layout, 0
+        k = self._next_slot
+        seg = self._slots[k]
+        if seg.vanished():  # someone removed the file: receivers could not open it
+            seg.close()
+            seg = self._slots[k] = self._new_segment(k, layout)
+        t0 = time.monotonic()
+        if not _lock(seg.fd, fcntl.LOCK_EX, 0.0):
+            self._counters["slot_waits"] += 1
+            locked = _lock(seg.fd, fcntl.LOCK_EX, self.slot_wait_s)
+            self._counters["slot_wait_s"] += time.monotonic() - t0
+            if not locked:  # a receiver holds it past slot_wait_s (stuck, or stopped): do not overwrite it
+                self._counters["slots_replaced"] += 1
+                logger.warning("weight broadcaster: slot %d (%s) still held by a receiver after slot_wait_s=%s; "
+                               "writing into a fresh segment", k, seg.path.name, self.slot_wait_s)
+                seg.close()
+                seg = self._slots[k] = self._new_segment(k, layout)
+                fcntl.flock(seg.fd, fcntl.LOCK_EX)
+        return seg
 
-        One byte of that bucket is flipped in the file after its checksum was computed, so every
-        read of that version fails (retries too). The version after it is clean.
-        """
-        with self._lock:
-            self._corrupt_next = bucket_index
+    def _new_segment(self, slot: int, layout: tuple[int, ...]) -> _Segment:
+        self._generation += 1
+        self._counters["segments_created"] += 1
+        return _Segment(self.directory / f"{self._token}-slot{slot}-{self._generation}.seg", layout)
 
     def committed(self) -> dict[str, int]:
         out = {}
@@ -222,65 +289,70 @@ class ShmWeightBroadcaster(WeightBroadcaster):
                 record = orjson.loads(path.read_bytes())
                 out[check_receiver_id(record["receiver_id"])] = int(record["version"])
             except (OSError, ValueError, KeyError, TypeError) as e:  # a receiver's file, not ours: skip it
-                self._counters["bad_commit_files"] += 1
+                with self._lock:
+                    self._counters["bad_commit_files"] = self._counters.get("bad_commit_files", 0) + 1
                 logger.debug("skipping unreadable %s: %s", path, e)
         return out
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {**self._counters, "versions": [int(n[1:-4]) for n in self._written],
-                    "directory": str(self.directory)}
+            return {**self._counters, "last_version": self._last_version, "directory": str(self.directory),
+                    "segments": [seg.path.name for seg in self._slots]}
 
     def close(self) -> None:
-        self._finalizer()
+        with self._lock:
+            self._finalizer()
 
 
-class ShmWeightReceiver(WeightReceiver):
-    """Worker end: an I/O thread that watches ``latest.json`` and stages the newest version.
+@dataclass(slots=True)
+class _Mapping:
+    """A receiver's read-only mapping of one segment file, kept across versions (page tables populated once)."""
+
+    path: Path
+    inode: int
+    mm: mmap.mmap
+    buf: torch.Tensor
+
+    def stale(self) -> bool:
+        """The file was removed or replaced: nothing new will be published into this mapping."""
+        try:
+            return os.stat(self.path).st_ino != self.inode
+        except FileNotFoundError:
+            return True
+
+
+class ShmWeightReceiver(StagedReceiver):
+    """Worker end: an I/O thread that watches ``latest.json`` and stages the newest version in place.
 
     Args:
         directory: the broadcaster's :attr:`~ShmWeightBroadcaster.address`.
         receiver_id: unique name of this worker; names its ``committed-*.json`` file.
         poll_s: how often ``latest.json`` is stat'ed.
+        timeout_s: how long a transfer may wait for the broadcaster's next bucket before it fails.
+
+    Memory: no copy of the weights; the staged update's tensors are read-only views into the segments
+    (writing into one faults). They stay valid while the update is held (see ``StagingArea``).
     """
 
-    def __init__(self, directory: str | os.PathLike, *, receiver_id: str, poll_s: float = 0.02):
-        if poll_s <= 0:
-            raise ValueError(f"{poll_s=} must be > 0")
+    def __init__(self, directory: str | os.PathLike, *, receiver_id: str, poll_s: float = 0.002,
+                 timeout_s: float = 30.0):
+        if poll_s <= 0 or timeout_s <= 0:
+            raise ValueError(f"{poll_s=} and {timeout_s=} must be > 0")
+        super().__init__(str(directory), receiver_id=receiver_id)
         self.directory = Path(directory)
-        self.receiver_id = check_receiver_id(receiver_id)
         self.poll_s = poll_s
-        self._staging = StagingArea(receiver_id)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.timeout_s = timeout_s
         # I/O thread only:
         self._last_key: tuple[int, int, int] | None = None
-        self._retry_after: float | None = None
-        self._finalizer = weakref.finalize(self, self._stop.set)
+        self._maps: dict[tuple[int, int], _Mapping] = {}
 
     # -- worker thread -------------------------------------------------------------------------
-    def start(self) -> None:
-        """Starts watching the directory.
-
-        Raises:
-            WeightSyncError: if the directory does not exist.
-        """
-        if self._thread is not None:
-            return
+    def _check_start(self) -> None:
         if not self.directory.is_dir():
             raise WeightSyncError(f"receiver {self.receiver_id}: weight directory {str(self.directory)!r} does not "
                                   "exist; pass the broadcaster's address")
-        self._thread = threading.Thread(target=self._run, name=f"asyncrl-weights-{self.receiver_id}", daemon=True)
-        self._thread.start()
 
-    def poll(self) -> WeightUpdate | None:
-        return self._staging.poll()
-
-    def wait(self, version: int, timeout: float, *, incarnation: str | None = None) -> WeightUpdate | None:
-        return self._staging.wait(version, timeout, incarnation)
-
-    def commit(self, version: int) -> None:
-        self._staging.commit(version)
+    def _on_commit(self, version: int) -> None:
         record = {"receiver_id": self.receiver_id, "version": version, "pid": os.getpid(), "time": time.time()}
         try:
             _write_atomic(self.directory / f"committed-{self.receiver_id}.json", orjson.dumps(record))
@@ -288,30 +360,14 @@ class ShmWeightReceiver(WeightReceiver):
             self._staging.count("commit_report_failed")
             logger.warning("receiver %s: cannot record commit of version %d: %s", self.receiver_id, version, e)
 
-    @property
-    def committed_version(self) -> int | None:
-        return self._staging.committed_version
-
-    def stats(self) -> dict[str, Any]:
-        out = self._staging.stats()
-        out.update(receiver_id=self.receiver_id, address=str(self.directory))
-        return out
-
     def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
-        self._staging.close()
-        self._finalizer()
+        super().close()
+        self._maps.clear()  # each mapping goes with the last view into it
 
     # -- I/O thread ----------------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while not self._stop.wait(self.poll_s):
-                self._check_once(time.monotonic())
-        except BaseException as e:  # thread boundary: poll()/wait() re-raise it in the worker's thread
-            logger.exception("receiver %s: weight I/O thread died", self.receiver_id)
-            self._staging.die(e)
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self._check_once(time.monotonic())
 
     def _stat_key(self) -> tuple[int, int, int] | None:
         try:
@@ -322,94 +378,154 @@ class ShmWeightReceiver(WeightReceiver):
 
     def _check_once(self, now: float) -> None:
         key = self._stat_key()
-        retry = self._retry_after is not None and now >= self._retry_after
+        retry = self._failed_version is not None and now >= self._retry_after
         if key is None or (key == self._last_key and not retry):
             return
-        self._last_key, self._retry_after = key, None
-        manifest = self._read_manifest(now)
-        if manifest is None:
-            return
-        if self._staging.is_newer(manifest["version"], manifest["incarnation"]):
-            self._fetch(manifest, now)
+        self._last_key = key
+        m = self._read_manifest(now)
+        if m is not None and self._staging.is_newer(m["manifest"].version, m["manifest"].incarnation):
+            if self._retry_due(m["manifest"].version, now):
+                self._fetch(m)
 
     def _read_manifest(self, now: float) -> dict[str, Any] | None:
         try:
-            m = orjson.loads((self.directory / LATEST).read_bytes())
-            if not isinstance(m, dict) or m.get("format") != FORMAT:
+            body = orjson.loads((self.directory / LATEST).read_bytes())
+            if not isinstance(body, dict) or body.get("format") != FORMAT:
                 raise DecodeError(f"{LATEST} is not format {FORMAT}")
-            if type(m.get("version")) is not int or m.get("mode") not in MODES:
-                raise DecodeError(f"{LATEST}: bad version {m.get('version')!r:.20} or mode {m.get('mode')!r:.20}")
-            if not isinstance(m.get("lora_config"), (dict, type(None))):
-                raise DecodeError(f"{LATEST}: lora_config must be a map or null")
-            m.setdefault("incarnation", "")
-            if not isinstance(m["incarnation"], str) or len(m["incarnation"]) > 64:
-                raise DecodeError(f"{LATEST}: incarnation must be a string of at most 64 chars")
-            if not isinstance(m.get("file"), str) or not _BIN_NAME.fullmatch(m["file"]):
-                raise DecodeError(f"{LATEST}: bad file name {m.get('file')!r:.60}")
-            m["buckets"] = buckets_from_wire(m.get("buckets"))
-            if m.get("nbytes") != sum(b.nbytes for b in m["buckets"]):
-                raise DecodeError(f"{LATEST}: nbytes {m.get('nbytes')!r:.20} is not the sum of its buckets")
-            return m
+            segment, publish, data_offset = body.get("segment"), body.get("publish"), body.get("data_offset")
+            if not isinstance(segment, str) or "/" in segment or not segment.endswith(".seg"):
+                raise DecodeError(f"{LATEST}: bad segment name {segment!r:.60}")
+            if type(publish) is not int or type(data_offset) is not int or data_offset < 0:
+                raise DecodeError(f"{LATEST}: bad publish {publish!r:.20} or data_offset {data_offset!r:.20}")
+            return {"manifest": Manifest.from_wire(body), "segment": segment, "publish": publish,
+                    "data_offset": data_offset}
         except FileNotFoundError:  # replaced between stat and read: the next tick sees the new one
             self._last_key = None
             return None
         except (orjson.JSONDecodeError, DecodeError) as e:
-            self._fail(now, None, f"unreadable {LATEST}: {e}")
+            self._fail(None, f"unreadable {LATEST}: {e}", now)
             return None
 
-    def _newer_than(self, version: int) -> bool:
-        key = self._stat_key()
-        if key is None or key == self._last_key:
-            return False
-        try:
-            return orjson.loads((self.directory / LATEST).read_bytes())["version"] > version
-        except (OSError, orjson.JSONDecodeError, KeyError, TypeError):  # mid-replace or broken: decide next tick
-            return False
+    def _newer_than(self, key: tuple[int, int, int] | None) -> bool:
+        now_key = self._stat_key()
+        return now_key is not None and now_key != key
 
-    def _fetch(self, m: dict[str, Any], now: float) -> None:
-        version, path, started = m["version"], self.directory / m["file"], time.monotonic()
+    def _map(self, fd: int, path: Path) -> _Mapping:
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        m = self._maps.get(key)
+        if m is None:
+            for k in [k for k, old in self._maps.items() if old.stale()]:
+                del self._maps[k]  # a replaced segment: its memory goes with the last view into it
+            # mmap keeps a dup of the descriptor it maps, and a dup shares the open file's flock: map through a
+            # descriptor of its own, or the mapping would hold this transfer's shared lock for as long as it lives
+            own = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY) if os.path.isdir("/proc/self/fd") else os.open(path, os.O_RDONLY)
+            try:
+                if os.fstat(own).st_ino != st.st_ino:
+                    raise OSError(f"{path} was replaced while it was being opened")
+                mm = mmap.mmap(own, st.st_size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+            finally:
+                os.close(own)
+            m = self._maps[key] = _Mapping(path, st.st_ino, mm, _buffer(mm))
+        return m
+
+    def _fetch(self, info: dict[str, Any]) -> None:
+        m: Manifest = info["manifest"]
+        version, path, started, key = m.version, self.directory / info["segment"], time.monotonic(), self._last_key
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            self._fail(now, version, f"{path} vanished before it could be read")
+            self._fail(version, f"segment {path} vanished before it could be read")
             return
-        buffers = []
+        staged = False
         try:
-            if (size := os.fstat(fd).st_size) != m["nbytes"]:
-                self._fail(now, version, f"{path} has {size} bytes, the manifest says {m['nbytes']}")
+            if not _lock(fd, fcntl.LOCK_SH, 1.0):  # the broadcaster holds it only while it claims the slot
+                self._fail(version, f"segment {path} stayed locked for 1 s")
                 return
-            offset = 0
-            for b in m["buckets"]:
-                if self._stop.is_set():
-                    return
-                if self._newer_than(version):
+            try:
+                mapping = self._map(fd, path)
+            except (OSError, ValueError) as e:  # an empty or unmappable file: not a segment being written
+                self._fail(version, f"cannot map segment {path}: {e}")
+                return
+            if (reason := self._check_header(mapping, info)) is not None:
+                if reason == "superseded":
                     self._staging.count("abandoned")
-                    self._last_key = None  # re-read latest.json on the next tick
-                    logger.info("receiver %s: abandoning version %d for a newer one", self.receiver_id, version)
-                    return
-                buf = torch.empty(b.nbytes, dtype=torch.uint8)
-                view = memoryview(buf.numpy())
-                got = _pread_into(fd, view, offset)
-                checksum = bucket_checksum(view)
-                if got != b.nbytes or checksum != b.checksum:
-                    self._fail(now, version, f"bucket {b.index} of version {version}: read {got}/{b.nbytes} bytes, "
-                                             f"checksum {checksum:#010x}, the manifest says {b.checksum:#010x}")
-                    return
-                buffers.append(buf)
+                    self._last_key = None
+                else:
+                    self._fail(version, reason)
+                return
+            if not self._read_buckets(mapping, info, key):
+                return
+            tensors: dict[str, torch.Tensor] = {}
+            offset = info["data_offset"]
+            for b in m.buckets:
+                tensors.update(unpack_bucket(b, mapping.buf[offset : offset + b.nbytes]))
                 offset += b.nbytes
-                self._staging.count("bytes_received", b.nbytes)
+            meta = {"receiver_id": self.receiver_id, "buckets": len(m.buckets), "staged_at": time.monotonic(),
+                    "transfer_s": time.monotonic() - started, "segment": info["segment"],
+                    "segment_path": str(path), "publish": info["publish"]}  # vLLM's worker maps it (_vllm_transfer)
+            self._stage(WeightUpdate(version=version, mode=m.mode, tensors=tensors, lora_config=m.lora_config,
+                                     metadata=meta, incarnation=m.incarnation), release=lambda: os.close(fd))
+            staged = True
         finally:
-            os.close(fd)
-        tensors: dict[str, torch.Tensor] = {}
-        for b, buf in zip(m["buckets"], buffers):
-            tensors.update(unpack_bucket(b, buf))
-        meta = {"receiver_id": self.receiver_id, "buckets": len(buffers), "staged_at": time.monotonic(),
-                "transfer_s": time.monotonic() - started}
-        self._staging.stage(WeightUpdate(version=version, mode=m["mode"], tensors=tensors,
-                                         lora_config=m["lora_config"], metadata=meta, incarnation=m["incarnation"]))
+            if not staged:
+                os.close(fd)  # drops the shared lock
 
-    def _fail(self, now: float, version: int | None, reason: str) -> None:
-        self._staging.fail(version, reason)
-        self._retry_after = now + RETRY_S
-        logger.warning("receiver %s: weight transfer failed (%s); keeping committed version %s, retrying in %.1f s",
-                       self.receiver_id, reason, self._staging.committed_version, RETRY_S)
+    def _check_header(self, mapping: _Mapping, info: dict[str, Any]) -> str | None:
+        m: Manifest = info["manifest"]
+        if len(mapping.mm) < _HEADER.size:
+            return f"segment {info['segment']} is {len(mapping.mm)} bytes, too short for its header"
+        magic, publish, n, _, state, _ = _HEADER.unpack_from(mapping.mm, 0)
+        if magic != MAGIC:
+            return f"segment {info['segment']} is not a weight segment (magic {magic:#x})"
+        if publish != info["publish"]:
+            return "superseded"  # the slot was claimed for a later publish: that one is in latest.json
+        if n != len(m.buckets) or info["data_offset"] < _data_offset(n) or len(mapping.mm) < info["data_offset"] + m.nbytes:
+            return (f"segment {info['segment']} ({len(mapping.mm)} bytes, {n} buckets) does not hold the manifest's "
+                    f"{len(m.buckets)} buckets of {m.nbytes} bytes at {info['data_offset']}")
+        return None
+
+    def _read_buckets(self, mapping: _Mapping, info: dict[str, Any], key: tuple[int, int, int] | None) -> bool:
+        """Verifies every bucket in place as the broadcaster writes it; False (counted) on any failure."""
+        m: Manifest = info["manifest"]
+        offset, last_progress = info["data_offset"], time.monotonic()
+        for b in m.buckets:
+            while True:
+                _, _, _, written, state, _ = _HEADER.unpack_from(mapping.mm, 0)
+                if written > b.index:
+                    break
+                now = time.monotonic()
+                if state == FAILED or self._stop.is_set() or now - last_progress > self.timeout_s:
+                    if not self._stop.is_set():
+                        why = "failed while publishing it" if state == FAILED else f"wrote nothing for {self.timeout_s} s"
+                        self._fail(m.version, f"version {m.version}: the broadcaster {why} (bucket {b.index})")
+                    return False
+                if self._newer_than(key):
+                    return self._abandon(m.version)
+                time.sleep(SPIN_S)
+            if self._stop.is_set():
+                return False
+            if b.index and self._newer_than(key):  # a newer version: no point verifying this one further
+                return self._abandon(m.version)
+            (want,) = _CHECKSUM.unpack_from(mapping.mm, _HEADER.size + _CHECKSUM.size * b.index)
+            got = self._verify_bucket(b, mapping.buf[offset : offset + b.nbytes])
+            if got != want:
+                self._staging.count("checksum_mismatches")
+                self._fail(m.version, f"checksum mismatch in bucket {b.index} of version {m.version}: "
+                                      f"got {got:#018x}, the segment says {want:#018x}")
+                return False
+            offset += b.nbytes
+            last_progress = time.monotonic()
+            self._staging.count("bytes_received", b.nbytes)
+        return True
+
+    def _verify_bucket(self, bucket: Bucket, data: torch.Tensor) -> int:
+        """The checksum of one bucket's bytes in the segment (the per-bucket receive step; a test slows it down)."""
+        return checksum(memoryview(data.numpy()))
+
+    def _abandon(self, version: int) -> bool:
+        self._staging.count("abandoned")
+        self._last_key = None  # re-read latest.json on the next tick
+        logger.info("receiver %s: abandoning version %d for a newer one", self.receiver_id, version)
+        return False
+

@@ -28,14 +28,15 @@ def emit(**event) -> None:
     print(json.dumps(event), flush=True)
 
 
-def slow_checksum(delay: float):
-    real = zmq_weights.bucket_checksum
+def slow_down(cls: type, method: str, delay: float) -> None:
+    """Makes the receiver's per-bucket receive step sleep ``delay`` first (a slow receiver)."""
+    real = getattr(cls, method)
 
-    def checksum(data):
+    def slow(self, *args):
         time.sleep(delay)
-        return real(data)
+        return real(self, *args)
 
-    return checksum
+    setattr(cls, method, slow)
 
 
 def main() -> None:
@@ -51,7 +52,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     emit(event="started")
     if args.delay:
-        zmq_weights.bucket_checksum = shm_weights.bucket_checksum = slow_checksum(args.delay)
+        slow_down(zmq_weights.ZmqWeightReceiver, "_receive_bucket", args.delay)
+        slow_down(shm_weights.ShmWeightReceiver, "_verify_bucket", args.delay)
     kw = {"window": args.window, "timeout_s": 20.0} if args.backend == "zmq" else {}
     r = setup_weight_receiver(args.backend, args.address, receiver_id=args.receiver_id, **kw)
     r.start()

@@ -11,6 +11,7 @@ import torch
 from asyncrl import EngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
 from asyncrl.config import WeightSyncConfig
 from asyncrl.weights import ZmqWeightBroadcaster
+from tests.weights_utils import corrupt_next
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +45,7 @@ def test_corrupted_broadcast_is_not_committed_and_is_reported():
         with RolloutLoader([{"prompt_ids": [i + 1]} for i in range(400)], config) as loader:
             it = iter(loader)
             next(it)
-            broadcaster.corrupt_next(2)
+            corrupt_next(broadcaster, 2)
             loader.set_policy_version(1)  # the trainer's version moves first: no worker is ever ahead of it
             broadcaster.publish({k: v + 1 for k, v in weights.items()}, 1)
             _status(loader, "weight_sync_failures", lambda n: (n or 0) >= 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
+import orjson
 import pytest
 import torch
 import zmq
@@ -18,6 +19,7 @@ from asyncrl.weights import (
     setup_weight_broadcaster,
     setup_weight_receiver,
 )
+from tests.weights_utils import corrupt_next
 
 WAIT_S = 10.0
 
@@ -166,7 +168,7 @@ def test_corrupt_bucket_is_never_staged(backend):
     r = make_r(b)
     b.publish({"w": torch.zeros(1024)}, 1)
     r.commit(r.wait(1, WAIT_S).version)
-    b.corrupt_next(1)
+    corrupt_next(b, 1)
     b.publish({"w": torch.ones(1024), "v": torch.ones(512)}, 2)
     eventually(lambda: r.stats()["failures"] >= 1)
     assert r.poll() is None and r.wait(2, 0.2) is None
@@ -198,8 +200,8 @@ def test_commit_shows_in_committed(backend):
 
 
 def test_factory_rejects_unknown_type():
-    with pytest.raises(ValueError, match="'nccl'"):
-        setup_weight_broadcaster("nccl")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'rdma'"):
+        setup_weight_broadcaster("rdma")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="receiver_id"):
         setup_weight_receiver("zmq", "tcp://127.0.0.1:1", receiver_id="../evil")
 
@@ -232,25 +234,29 @@ def test_zmq_broadcaster_counts_and_drops_malformed_messages():
         b.close()
 
 
-def test_shm_vanished_file_is_a_failure(tmp_path):
+def test_shm_vanished_segment_is_a_failure(tmp_path):
     b = setup_weight_broadcaster("shm", directory=tmp_path)
     r = setup_weight_receiver("shm", b.address, receiver_id="r0")
     try:
         r.start()
         b.publish({"w": torch.ones(4)}, 1)
         r.commit(r.wait(1, WAIT_S).version)
-        r._stop.set()  # pause the receiver's thread so the file can vanish before it looks
-        r._thread.join()
+        r._io.stop.set()  # pause the receiver's thread so the segment can vanish before it looks
+        r._io.thread.join()
         b.publish({"w": torch.ones(4)}, 2)
-        (tmp_path / "v2.bin").unlink()
-        r._stop.clear()
+        segment = orjson.loads((tmp_path / "latest.json").read_bytes())["segment"]
+        (tmp_path / segment).unlink()
+        r._io.stop.clear()
         r._check_once(time.monotonic())
         assert r.stats()["failures"] == 1 and "vanished" in r.stats()["recent_failures"][0]["reason"]
         assert r.poll() is None and r.committed_version == 1
+        b.publish({"w": torch.full((4,), 3.0)}, 3)  # the broadcaster replaces a vanished segment
+        r._check_once(time.monotonic() + 2)
+        assert torch.equal(r.poll().tensors["w"], torch.full((4,), 3.0))
     finally:
         r.close()
         b.close()
-    assert not list(tmp_path.glob("*.bin")) and (tmp_path / "committed-r0.json").exists()
+    assert not list(tmp_path.glob("*.seg")) and (tmp_path / "committed-r0.json").exists()
 
 
 def test_zmq_broadcaster_bind_failure_is_a_named_error():
