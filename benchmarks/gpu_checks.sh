@@ -13,8 +13,9 @@
 # Checks (GPU_CHECKS, default all of them, in this order):
 #   ipc       issue 11 item 6: the cuda_ipc figure (1.5B bf16 params, trainer process -> worker engine tensors, end to
 #             end, against the 6 ms goal) -> cuda_ipc.json
-#   nccl      issue 11 item 5: the nccl figure, between two processes (cuda:0 -> cuda:1 where there are two GPUs; on one
-#             GPU NCCL refuses two ranks, and the JSON records that error) -> nccl.json
+#   nccl      issue 11 item 5: the nccl figure, between two processes (cuda:0 -> cuda:1 where there are two GPUs; NCCL
+#             refuses two ranks on one GPU, NVIDIA/nccl#418, so on one GPU the JSON says "skipped" at no cost; add
+#             --try-same-gpu below to spend ~60 s recording NCCL's error instead) -> nccl.json
 #   gputests  every pytest test marked gpu (cuda_ipc end to end, the HF engine on CUDA, nccl on two GPUs) ->
 #             gpu_tests.json (counts and failures) + gpu_tests.log
 #   unit      the unit tests (vLLM's skip: vllm is not installed there) -> logs.tgz/unit.log

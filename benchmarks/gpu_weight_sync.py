@@ -10,8 +10,10 @@ embeddings, so no ``lm_head``), random on the GPU, each version the previous one
              so applying is one device copy.
   nccl       :class:`~asyncrl.weights.nccl_weights.NcclWeightBroadcaster` on ``cuda:0`` and one receiver process on
              ``--nccl-device`` (``cuda:1`` where there are two GPUs); the engine applies with ``_foreach_copy_``.
-             NCCL refuses two ranks on one GPU (``Duplicate GPU detected``): on a one-GPU machine the JSON records
-             that error instead of a figure.
+             NCCL refuses two ranks on one GPU (``Duplicate GPU detected``, ``ncclInvalidUsage``, since NCCL 2.5;
+             NVIDIA/nccl#418: "not allowed and it will not work, even if you remove the check"): on a one-GPU machine
+             the JSON says so (``skipped``) instead of a figure, unless ``--try-same-gpu`` makes it try (and record
+             the error).
 
 End to end = from the start of ``publish()`` in the trainer to the worker's engine tensors holding the version
 (after its ``torch.cuda.synchronize()``), on ``CLOCK_MONOTONIC``, which both processes share. Every version is
@@ -251,6 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--nccl-device", default=None, help="the nccl receiver's GPU (default cuda:1 if there is one)")
     p.add_argument("--wait-s", type=float, default=120.0, help="bound on every wait for the other process")
+    p.add_argument("--try-same-gpu", action="store_true", help="nccl: try both ranks on one GPU anyway")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     import torch
@@ -260,6 +263,17 @@ def main(argv: list[str] | None = None) -> None:
     result: dict[str, Any] = {"benchmark": "gpu_weight_sync", "date": dt.datetime.now(dt.timezone.utc).isoformat(),
                               "config": vars(args) | {"out": str(args.out)}, "machine": machine()}
     result["machine"]["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    same_gpu = args.backend == "nccl" and (args.nccl_device or ("cuda:1" if torch.cuda.device_count() > 1 else
+                                                                 "cuda:0")) in ("cuda:0", "cuda")
+    if same_gpu and not args.try_same_gpu:
+        result["skipped"] = ("nccl needs two GPUs: NCCL refuses two ranks on one GPU (ncclInvalidUsage 'Duplicate GPU "
+                             "detected', NCCL >= 2.5, NVIDIA/nccl#418); this machine has "
+                             f"{torch.cuda.device_count()}. Pass --try-same-gpu to record the error.")
+        text = json.dumps(result, indent=1, default=str)
+        if args.out:
+            args.out.write_text(text)
+        print(result["skipped"])
+        return
     try:
         result.update(run(args.backend, args.layers, args.vocab, args.trials, args.nccl_device, args.wait_s))
     except Exception as e:  # noqa: BLE001 - recorded, not hidden: e.g. NCCL's "Duplicate GPU detected" on one GPU
