@@ -303,6 +303,8 @@ class GRPORecipe:
         if self.rank == 0:
             if cfg.weights.type == "zmq":
                 kw: dict[str, Any] = {"bind": cfg.weights.bind}
+            elif cfg.weights.type in ("nccl", "cuda_ipc"):  # a control endpoint bound like zmq's; buckets on our device
+                kw = {"bind": cfg.weights.bind, "device": self.device}
             else:  # one directory per run, so a killed run's weights are replaced, not leaked, by its resume
                 shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
                 directory = shm / f"asyncrl-weights-{hashlib.sha1(str(self.run_dir.resolve()).encode()).hexdigest()[:12]}"
