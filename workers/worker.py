@@ -330,6 +330,8 @@ def run_worker(
         if not config.weights.address:
             raise ValueError(f"worker.weights.type={config.weights.type!r} needs worker.weights.address")
         delta = {"delta": True} if config.weights.delta and config.weights.type == "zmq" else {}  # shm: none
+        if config.weights.type == "zmq":  # the rollout channel's CURVE keys guard the weight channel too
+            delta.update(server_key=server_key, security=transport)
         receiver = setup_weight_receiver(config.weights.type, config.weights.address, receiver_id=worker_id, **delta)
         receiver.start()
     worker = RolloutWorker(
