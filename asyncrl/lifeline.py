@@ -29,11 +29,13 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
-__all__ = ["EXIT_CODE", "PARENT_DEATH_SIGNAL", "die_with_parent"]
+__all__ = ["EXIT_CODE", "PARENT_DEATH_SIGNAL", "die_with_parent", "end_run"]
 
 EXIT_CODE = 70
 """Exit status of a process that left because its parent was gone (EX_SOFTWARE)."""
@@ -115,3 +117,15 @@ def _exit(parent: int, what: str) -> None:
         sys.stderr.flush()
     finally:
         os._exit(EXIT_CODE)
+
+
+def end_run(proc: subprocess.Popen, run_dir: str | os.PathLike) -> None:
+    """Ends a run started under torchrun: SIGKILL to the ranks (the pids they wrote to ``run_dir``; each runs
+    in a session of its own and its workers exit with it), then torchrun itself."""
+    for pid_file in Path(run_dir).glob("pid-rank*"):
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    proc.kill()
+    proc.communicate()

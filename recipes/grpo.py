@@ -31,12 +31,8 @@ import argparse
 import hashlib
 import tempfile
 import dataclasses
-import json
-import math
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -48,20 +44,21 @@ import torch.distributed as dist
 import yaml
 
 from asyncrl import LoaderConfig, RolloutLoader
-from asyncrl.checkpoint import MODEL as CHECKPOINT_MODEL
 from asyncrl.checkpoint import SAVE_POINTS, Checkpointer
 from asyncrl.codec import dumps_json
 from asyncrl.config import RewardConfig, WeightSyncConfig, from_dict
 from asyncrl.debug.detectors import DebugConfig, Debugger
-from asyncrl.dump import write_dump
+from asyncrl.debug.plot import plot
+from asyncrl.debug.rejection import replay_rejection, write_rejected_batch  # noqa: F401 (tests replay from here)
 from asyncrl.guard import GuardConfig, UpdateGuard
 from asyncrl.policy_sync import PolicySync
-from asyncrl.lifeline import die_with_parent
+from asyncrl.lifeline import die_with_parent, end_run  # noqa: F401 (tests and benchmarks end runs with it)
 from asyncrl.logprobs import batch_sampling, token_logprobs
 from asyncrl.losses import LossConfig, all_reduce_sum, compute_loss, mismatch_metrics
 from asyncrl.reference import ReferencePolicy
 from asyncrl.rewards import RewardSet, component_means
 from asyncrl.run_dir import RunDirLocked, continue_records, hold_run_dir, record_files
+from asyncrl.threads import trainer_threads
 from asyncrl.timeline import new_incarnation
 from asyncrl.weights import setup_weight_broadcaster
 from asyncrl.data import DataConfig, load_prompts, sft_batch
@@ -94,6 +91,9 @@ class TrainConfig:
     sft_batch: int = 64
     parallel: Literal["ddp", "fsdp2"] = "ddp"
     seed: int = 0
+    threads: int | None = None
+    """torch intra-op threads per rank; None: the cores left after the local workers, per local rank
+    (asyncrl.threads: more threads than cores made a 2-core trainer step 15x slower)."""
     pause_after_step: int | None = None
     """Fault injection for tests: every rank sleeps after logging this step (to be killed mid-run)."""
     pause_in_save_at_step: int | None = None
@@ -398,7 +398,8 @@ class GRPORecipe:
         published = self.sync.commit(accepted)
         self.version, weight_bytes, publish_s = published.policy_version, published.weight_bytes, published.publish_s
         if not accepted and self.debugger is None:  # with the debugger on, a rejection is one of its anomalies (and dumps)
-            self._dump(batch, rewards, reason, loss, grad_norm, ratio)
+            write_rejected_batch(self.run_dir, step=self.step, rank=self.rank, policy_version=self.version,
+                                 verdict=verdict, batch=batch, rewards=rewards)
         if self.debugger is not None:
             record = self.debugger.observe(
                 step=self.step, policy_version=consumed_version, batch=batch, rewards=rewards,
@@ -439,24 +440,6 @@ class GRPORecipe:
             **{f"rewards/{k}/mean": v for k, v in component_means(batch.get("reward_components", {})).items()},
             **{f"mismatch/{k}": v for k, v in mismatch.items()},
         }
-
-    def _dump(self, batch, rewards, reason, loss, grad_norm, ratio) -> None:
-        body = {
-            "step": self.step,
-            "rank": self.rank,
-            "policy_version": self.version,
-            "reason": reason,
-            "loss": float(loss.detach()),
-            "grad_norm": grad_norm,
-            "update_ratio": ratio,
-            "batch": {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)} | {"rewards": rewards},
-            "uids": batch["uids"],
-            "group_ids": batch["group_ids"],
-            "finish_reasons": batch["finish_reasons"],
-            "reward_components": batch.get("reward_components", {}),  # per reward function (asyncrl.rewards)
-        }
-        path = write_dump(self.run_dir / "dumps" / f"step-{self.step:06d}-rank{self.rank}.msgpack", "rejected_batch", body)
-        print(f"[rank {self.rank}] step {self.step}: update rejected ({reason}); batch dumped to {path}", file=sys.stderr)
 
     def _log(self, record: dict[str, Any], batch: dict[str, Any]) -> None:
         record["rollouts_per_s"] = len(batch["uids"]) * self.world / max(record["step_s"], 1e-9)
@@ -516,82 +499,6 @@ class GRPORecipe:
             self.run_lock.release()
 
 
-def replay_rejection(dump_path: str | os.PathLike, checkpoint: str | os.PathLike, cfg: RecipeConfig,
-                     model_dir: str) -> str:
-    """Recomputes a dumped batch's loss and guard decision with the weights of ``checkpoint`` (the step
-    before the rejection), in this process, without a process group. Returns the guard's reason, or ""
-    if the update would now be accepted."""
-    import torch.distributed.checkpoint as dcp
-    from transformers import AutoModelForCausalLM
-
-    from asyncrl.dump import read_dump
-
-    kind, body = read_dump(dump_path)
-    if kind not in ("rejected_batch", "anomaly_batch"):
-        raise ValueError(f"{dump_path} holds a {kind!r}, not a rejected batch")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, cfg.model.dtype))
-    state = {CHECKPOINT_MODEL: model.state_dict()}
-    dcp.load(state, checkpoint_id=str(checkpoint))
-    model.load_state_dict(state[CHECKPOINT_MODEL])
-    b = {k: v.clone() for k, v in body["batch"].items()}
-    engine = cfg.rollout.worker.engine
-    logp = token_logprobs(model, b["input_ids"], b["attention_mask"], temperature=engine.temperature,
-                          top_k=engine.top_k, top_p=engine.top_p, grad=True)
-    b |= {"finish_reasons": body.get("finish_reasons", ["stop"] * len(b["rewards"])),
-          "reward_components": body.get("reward_components", {})}
-    ref = None
-    if cfg.loss.beta > 0:  # the run's reference: the model directory, or the warmed policy it saved
-        warmed = Path(cfg.run_dir) / "model-ref"
-        ref = ReferencePolicy.load(warmed if cfg.train.sft_steps and not cfg.lora.rank else model_dir,
-                                   dtype=cfg.model.dtype).logprobs(b["input_ids"], b["attention_mask"],
-                                                                   temperature=engine.temperature, top_k=engine.top_k,
-                                                                   top_p=engine.top_p)
-    loss_cfg = dataclasses.replace(cfg.loss, max_completion_length=cfg.loss.max_completion_length or engine.max_new_tokens)
-    loss, _, _ = compute_loss(b, logp, config=loss_cfg, trainer_version=body["policy_version"], ref_logprobs=ref)
-    loss.backward()
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip))
-    if not math.isfinite(float(loss.detach())) or not math.isfinite(grad_norm):
-        return f"non-finite loss={float(loss.detach())} or grad_norm={grad_norm}"
-    return ""
-
-
-def end_run(proc: subprocess.Popen, run_dir: Path) -> None:
-    """Ends a run started under torchrun: SIGKILL to the ranks (the pids they wrote to ``run_dir``; each runs
-    in a session of its own and its workers exit with it), then torchrun itself."""
-    for pid_file in Path(run_dir).glob("pid-rank*"):
-        try:
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
-    proc.kill()
-    proc.communicate()
-
-
-def plot(run_dir: Path) -> None:
-    """``report.png``: reward and staleness over steps."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    if not rows:
-        return
-    steps = [r["step"] for r in rows]
-    fig, (a, b) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
-    a.plot(steps, [r["reward_mean"] for r in rows], label="reward (mean)")
-    a.set_ylabel("reward")
-    a.legend()
-    b.plot(steps, [r["staleness_mean"] for r in rows], label="staleness (mean)")
-    b.plot(steps, [r["staleness_max"] for r in rows], label="staleness (max)", alpha=0.6)
-    b.set_xlabel("step")
-    b.set_ylabel("policy versions")
-    b.legend()
-    fig.tight_layout()
-    fig.savefig(run_dir / "report.png", dpi=100)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML run file (recipes/configs/*.yaml)")
@@ -599,8 +506,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.max_staleness=0 train.steps=50")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    recipe = GRPORecipe(load_config(args.config, args.overrides), resume=args.resume)
+    cfg = load_config(args.config, args.overrides)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    torch.set_num_threads(cfg.train.threads or trainer_threads(local_ranks, local_ranks * cfg.rollout.num_workers))
+    recipe = GRPORecipe(cfg, resume=args.resume)
     recipe.setup()
     try:
         recipe.train()
