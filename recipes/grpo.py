@@ -158,6 +158,8 @@ def load_config(path: str | None, overrides: list[str]) -> RecipeConfig:
 
 MAX_LAG_BIN = 16
 """``staleness_hist[i]`` counts the step's rollouts ``i`` versions behind the trainer (the last bin: i or more)."""
+WEIGHT_SYNC_KEYS = ("versions_published", "bytes_served", "full_bytes", "delta_bytes", "buckets_full", "buckets_delta")
+"""The broadcaster's counters each metrics record carries (bytes on the wire, full buckets and deltas)."""
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -302,7 +304,7 @@ class GRPORecipe:
         address = [None]
         if self.rank == 0:
             if cfg.weights.type == "zmq":
-                kw: dict[str, Any] = {"bind": cfg.weights.bind}
+                kw: dict[str, Any] = {"bind": cfg.weights.bind, "delta": cfg.weights.delta}
             elif cfg.weights.type in ("nccl", "cuda_ipc"):  # a control endpoint bound like zmq's; buckets on our device
                 kw = {"bind": cfg.weights.bind, "device": self.device}
             else:  # one directory per run, so a killed run's weights are replaced, not leaked, by its resume
@@ -454,13 +456,16 @@ class GRPORecipe:
     def _pipeline_stats(self) -> dict[str, Any]:
         """Cumulative counters of this rank's pool and what its workers report (busy time, output)."""
         stats = self.loader.stats()
-        keep = ("busy_s", "uptime_s", "weight_apply_s", "rollouts_sent", "tokens_generated", "policy_version")
+        keep = ("busy_s", "uptime_s", "weight_apply_s", "rollouts_sent", "tokens_generated", "policy_version",
+                "weight_full_bytes", "weight_delta_bytes")
         return {
             "stale_dropped": stats["pool"].get("stale_dropped", 0),
             "regenerated": stats["ledger"].get("regenerated", 0),
             "rollouts_received": stats["pool"].get("rollouts_received", 0),
             "bad_messages": stats["transport"].get("bad_messages", 0),
             "workers": {w: {k: v[k] for k in keep if k in v} for w, v in stats["transport"].get("workers", {}).items()},
+            "weight_sync": {k: v for k, v in self.broadcaster.stats().items() if k in WEIGHT_SYNC_KEYS}
+            if self.broadcaster is not None else {},
         }
 
     # -- checkpoint --------------------------------------------------------------------------------------------------
