@@ -1,0 +1,229 @@
+"""Delta updates through the zmq backend (broadcaster and receivers in this process, loopback tcp): deltas
+against the committed version, full buckets for a late joiner, a rolled-back incarnation and a receiver that
+lies about its base or whose base bytes changed (refused by name, healed by the full bucket), LoRA mode, and
+the bytes counted on both ends."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from asyncrl.weights import setup_weight_broadcaster, setup_weight_receiver
+from asyncrl.weights.zmq_weights import ZmqWeightReceiver
+
+KB = 1 << 10
+WAIT_S = 30.0
+
+
+def weights(seed: int = 0, n: int = 6) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {f"layers.{i}.weight": (torch.randn(64, 256, generator=g) * 0.02).to(torch.bfloat16) for i in range(n)}
+    out["norm.weight"] = torch.ones(256)  # fp32 beside bf16: compared as 2-byte words
+    return out
+
+
+def step(tensors: dict[str, torch.Tensor], seed: int, fraction: float = 0.02) -> dict[str, torch.Tensor]:
+    """A small optimizer-like step: ``fraction`` of the elements move a little."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in tensors.items():
+        mask = torch.rand(t.shape, generator=g) < fraction
+        out[name] = torch.where(mask, (t.float() * 1.01 + 1e-3).to(t.dtype), t)
+    return out
+
+
+def staged(receiver, version: int, incarnation: str | None = None):
+    update = receiver.wait(version, WAIT_S, incarnation=incarnation)
+    assert update is not None, receiver.stats()
+    return update
+
+
+def same(update, tensors) -> bool:
+    return update.tensors.keys() == tensors.keys() and all(torch.equal(update.tensors[k], t) for k, t in tensors.items())
+
+
+def wait_for(cond, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def broadcaster():
+    b = setup_weight_broadcaster("zmq", bucket_bytes=64 * KB, delta=True)
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def receivers():
+    opened = []
+
+    def make(address, receiver_id, cls=ZmqWeightReceiver, **kw):
+        r = cls(address, receiver_id=receiver_id, delta=True, **kw)
+        r.start()
+        opened.append(r)
+        return r
+
+    yield make
+    for r in opened:
+        r.close()
+
+
+def apply(receiver, version, tensors, incarnation=None):
+    update = staged(receiver, version, incarnation)
+    assert same(update, tensors)
+    receiver.commit(update.version)
+    return update
+
+
+def test_second_version_travels_as_deltas_and_is_exact(broadcaster, receivers):
+    v1 = weights()
+    v2 = step(v1, 1)
+    broadcaster.publish(v1, 1)
+    r = receivers(broadcaster.address, "w0")
+    apply(r, 1, v1)
+    first = r.stats()
+    assert first.get("buckets_delta", 0) == 0 and first["full_bytes"] > 0  # nothing to be a delta against
+    full = broadcaster.stats()["bytes_served"]
+    broadcaster.publish(v2, 2)
+    apply(r, 2, v2)
+    s = r.stats()
+    assert s["buckets_delta"] > 0 and s.get("delta_refused", 0) == 0
+    wire = s["delta_bytes"] + s["full_bytes"] - first["full_bytes"]  # the broadcaster counts after each send:
+    wait_for(lambda: broadcaster.stats()["bytes_served"] - full == wire, "bytes counted alike on both ends")
+    assert s["delta_bytes"] * 5 < full, (s, full)
+    assert broadcaster.stats()["deltas_encoded"] >= s["buckets_delta"]
+
+
+def test_late_joiner_and_receivers_without_deltas_get_full_buckets(broadcaster, receivers):
+    v1, v2 = weights(), step(weights(), 1)
+    broadcaster.publish(v1, 1)
+    early = receivers(broadcaster.address, "early")
+    apply(early, 1, v1)
+    broadcaster.publish(v2, 2)
+    late = receivers(broadcaster.address, "late")
+    plain = setup_weight_receiver("zmq", broadcaster.address, receiver_id="plain")  # delta=False
+    plain.start()
+    try:
+        for r in (early, late, plain):
+            apply(r, 2, v2)
+        assert early.stats()["buckets_delta"] > 0
+        assert late.stats().get("buckets_delta", 0) == 0 and plain.stats().get("buckets_delta", 0) == 0
+        v3 = step(v2, 2)
+        broadcaster.publish(v3, 3)
+        for r in (early, late, plain):
+            apply(r, 3, v3)
+        assert late.stats()["buckets_delta"] > 0  # from its first commit on, it has a base
+        assert plain.stats().get("buckets_delta", 0) == 0
+    finally:
+        plain.close()
+
+
+def test_skipped_versions_come_full_once_the_base_is_gone(broadcaster, receivers):
+    v = [weights()]
+    for i in range(1, 4):
+        v.append(step(v[-1], i))
+    broadcaster.publish(v[0], 1)
+    r = receivers(broadcaster.address, "w0")
+    apply(r, 1, v[0])
+    full_before = r.stats()["buckets_full"]
+    broadcaster.publish(v[1], 2)  # (the receiver may fetch some of it as deltas before version 3 replaces it)
+    buckets = broadcaster.publish(v[2], 3)["buckets"]  # keep_versions=2: version 1, the receiver's base, is gone
+    apply(r, 3, v[2])
+    assert r.stats()["buckets_full"] - full_before >= buckets  # every bucket of version 3 came full
+    assert broadcaster.stats().get("deltas_base_not_held", 0) >= buckets
+
+
+def test_rolled_back_incarnation_gets_full_buckets_then_deltas(broadcaster, receivers):
+    a5 = weights()
+    broadcaster.publish(a5, 5, incarnation="A")
+    r = receivers(broadcaster.address, "w0")
+    apply(r, 5, a5, "A")
+    b3 = step(a5, 7)  # the resumed run reuses version numbers below the dead one's
+    broadcaster.publish(b3, 6, incarnation="B")
+    apply(r, 6, b3, "B")  # base (A, 5) is held by the broadcaster: a delta is fine and exact
+    b = [b3]
+    # now the broadcaster forgets A entirely and republishes from B's own history
+    for version in (7, 8):
+        b.append(step(b[-1], version))
+        broadcaster.publish(b[-1], version, incarnation="B")
+        apply(r, version, b[-1], "B")
+    s = r.stats()
+    assert s["buckets_delta"] > 0 and s.get("delta_refused", 0) == 0
+
+
+class LyingReceiver(ZmqWeightReceiver):
+    """Names the version before the one it committed as its base (a confused or rolled-back worker)."""
+
+    def _base_fields(self):
+        fields = super()._base_fields()
+        if fields:
+            fields["base_version"] -= 1
+        return fields
+
+
+def test_a_receiver_that_lies_about_its_base_is_refused_and_healed(receivers):
+    b = setup_weight_broadcaster("zmq", bucket_bytes=64 * KB, delta=True, keep_versions=3)
+    try:
+        v1 = weights()
+        v2, v3 = step(v1, 1), step(step(v1, 1), 2)
+        b.publish(v1, 1)
+        liar = receivers(b.address, "liar", cls=LyingReceiver)
+        apply(liar, 1, v1)
+        b.publish(v2, 2)
+        apply(liar, 2, v2)  # names base 0, which nobody holds: full
+        b.publish(v3, 3)
+        apply(liar, 3, v3)  # names base 1 (kept here), holds 2: every delta refused, every bucket healed
+    finally:
+        b.close()
+    s = liar.stats()
+    assert s["delta_refused"] > 0 and s["delta_refused"] == s["delta_refused_base_mismatch"]
+    assert s.get("failures", 0) == 0
+
+
+def test_base_bytes_that_differ_fail_the_checksum_and_heal(broadcaster, receivers):
+    v1 = weights()
+    v2 = step(v1, 1)
+    broadcaster.publish(v1, 1)
+    r = receivers(broadcaster.address, "w0")
+    apply(r, 1, v1)
+    wait_for(lambda: r._delta_base.key() == (1, ""), "base adopted")
+    r._delta_base._base[3][0][100] ^= 0x01  # its base is not what it says (memory went bad, a bug elsewhere)
+    broadcaster.publish(v2, 2)
+    apply(r, 2, v2)
+    s = r.stats()
+    assert s["delta_refused_checksum_mismatch"] == 1 and s["buckets_delta"] > 0 and s.get("failures", 0) == 0
+
+
+def test_lora_adapters_travel_as_deltas(broadcaster, receivers):
+    g = torch.Generator().manual_seed(0)
+    a1 = {f"base_model.model.layers.{i}.q_proj.lora_{ab}.weight": (torch.randn(8, 256, generator=g) * 0.02)
+          .to(torch.bfloat16) for i in range(4) for ab in "AB"}
+    a2 = step(a1, 3)
+    lora = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
+    broadcaster.publish(a1, 1, mode="lora", lora_config=lora)
+    r = receivers(broadcaster.address, "w0")
+    apply(r, 1, a1)
+    broadcaster.publish(a2, 2, mode="lora", lora_config=lora)
+    update = apply(r, 2, a2)
+    assert update.mode == "lora" and update.lora_config == lora
+    assert r.stats()["buckets_delta"] > 0
+
+
+def test_broadcaster_without_deltas_ignores_named_bases(receivers):
+    b = setup_weight_broadcaster("zmq", bucket_bytes=64 * KB)
+    try:
+        v1 = weights()
+        b.publish(v1, 1)
+        r = receivers(b.address, "w0")
+        apply(r, 1, v1)
+        v2 = step(v1, 1)
+        b.publish(v2, 2)
+        apply(r, 2, v2)
+        assert r.stats().get("buckets_delta", 0) == 0 and b.stats().get("delta_bytes", 0) == 0
+    finally:
+        b.close()
