@@ -305,6 +305,7 @@ class GRPORecipe:
         if self.rank == 0:
             if cfg.weights.type == "zmq":
                 kw: dict[str, Any] = {"bind": cfg.weights.bind, "delta": cfg.weights.delta}
+                kw["security"] = cfg.rollout.transport  # the rollout channel's CURVE keys and allow-list (S)
             elif cfg.weights.type in ("nccl", "cuda_ipc"):  # a control endpoint bound like zmq's; buckets on our device
                 kw = {"bind": cfg.weights.bind, "device": self.device}
             else:  # one directory per run, so a killed run's weights are replaced, not leaked, by its resume
