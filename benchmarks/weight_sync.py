@@ -1,32 +1,35 @@
-"""Weight sync: latency and bandwidth of publish -> every receiver staged, per backend, against memcpy.
+"""Weight sync end to end: publish -> every receiver's engine tensors hold the new version, against memcpy and raw pyzmq.
 
-Payload: random tensors shaped like a transformer. ``tiny`` is the tiny Qwen2 test model's state dict
-(fp32, ~0.36 MB); the other sizes are the largest prefix (in model order: layers, final norm, then the
-embedding) of a ~1.2B-parameter Llama-style model in bf16 (hidden 2048, intermediate 8192, 32/8
-heads, 16 layers, vocab 128256) that fits the size: ~64 MB, ~256 MB, ~1 GB, ~2 GB (16 layers, 0.97B
-parameters, 1.95 GB), capped by ``--max-gb``. 1 GB = 1e9 B. Paths, all in this one run:
+Payload: random bf16 tensors shaped like a Llama-style model (hidden 2048, intermediate 8192, 32/8 heads;
+as many layers as the size needs, then the embedding), ``--sizes`` GB each (1 GB = 1e9 B). Paths, all in
+one run, each measured at every size and receiver count:
 
-  memcpy        torch ``copy_`` of the tensors into one preallocated, already touched buffer: the
-                cost of one copy, the floor of any snapshot.
-  memcpy_fresh  ``clone()`` of every tensor (fresh allocation, page faults included): what a
-                receiver pays at least to own a copy.
-  zmq xN        ``ZmqWeightBroadcaster`` in this process (``keep_versions=1``) and N
-                ``ZmqWeightReceiver`` processes (tcp loopback, default window and bucket size).
-  shm xN        ``ShmWeightBroadcaster`` (files in /dev/shm) and N ``ShmWeightReceiver`` processes.
+  memcpy     torch ``copy_`` of the payload into one preallocated, already touched buffer (``--threads``
+             threads): one warm copy, the floor any path pays at least once.
+  raw_zmq    the same bytes as zero-copy pyzmq frames (one multipart message per version, PUSH -> PULL per
+             receiver over tcp loopback, default context) and each receiver copies them into its engine
+             tensors: what the zmq backend's link can do with no protocol, no checksum, no two-phase commit.
+  shm, zmq   the asyncrl backends (default bucket size): ``publish()`` in this process; each receiver process
+             ``wait()``s for the version, copies every staged tensor into its engine tensors
+             (``param.copy_(view)``, what the HF engine's load does) and commits.
 
-Latency is from the start of ``publish()`` (snapshot + crc32 included) to the last receiver's
-``staged_at`` (every bucket received, copied into receiver-owned memory and crc32-verified);
-``CLOCK_MONOTONIC`` is shared by all processes on a machine. GB/s = version bytes / latency (per
-receiver; with 2 receivers twice the bytes cross); ``transfer_gb_per_s`` leaves out the publish
-(bytes / the slowest receiver's manifest-to-staged time). The LoRA rows publish rank-16 adapters (bf16,
-``lora_A`` [16, in] and ``lora_B`` [out, 16] for q/k/v/o/gate/up/down) of the same layers in
-``mode="lora"``. Each publish starts after a random 0-25 ms pause, so that it does not land
-in a fixed phase of the receivers' poll loops (a closed loop would otherwise always wait a full
-shm poll period). Every process runs with ``--threads`` torch threads (default 1). Medians over
-``--repeats`` versions per size; the JSON in ``benchmarks/results/`` has config, machine, commit,
-date and every sample.
+End to end is from the start of ``publish()`` (or of the raw send) to the last receiver's "engine holds it"
+(``CLOCK_MONOTONIC``, shared by the processes of a machine). Every byte is verified: the backends check every
+bucket's xxh3-64 before staging; every receiver checks a per-version stamp in each engine tensor and, once
+per case, an xxh3 of all its engine tensors against the payload's (outside the timed path). Ratios are to
+memcpy and to raw pyzmq of the same size measured in the same run (``x_memcpy``, ``x_raw_zmq``; targets
+shm >= 0.6x memcpy, zmq >= 0.5x raw pyzmq).
 
-    .venv/bin/python -m benchmarks.weight_sync [--max-gb 2] [--repeats 3] [--backends zmq,shm] [--receivers 1,2]
+Memory: a case needs ``payload + path footprint`` (shm: 2 slots + N engines; zmq: one snapshot + N x (receive
+buffers + engine); raw_zmq: N x (libzmq's copy + engine)). A case over ``--mem-budget-gb`` (default 80 %
+of MemAvailable at start) runs with ``engine="views"`` where the backend allows it (shm: each receiver's
+engine keeps the verified, read-only views into the shared slots, as an engine that runs from shared memory
+would; no private copy, so N receivers need no N x S), else is skipped and listed with its footprint. On the
+24 GiB machine, 4 GB x 4 receivers runs shm with views (12 GB: payload + 2 slots), and zmq / raw_zmq at
+4 GB only with 1 receiver (16 / 12 GB).
+
+    .venv/bin/python -m benchmarks.weight_sync [--sizes 1,4] [--receivers 1,2,4] [--backends shm,zmq] [--repeats 3]
+    .venv/bin/python -m benchmarks.weight_sync --sizes 0.25 --receivers 1 --repeats 2       # quick
 """
 
 from __future__ import annotations
@@ -44,119 +47,97 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
-from benchmarks._report import machine
-from asyncrl.weights import WeightBroadcaster, setup_weight_broadcaster, setup_weight_receiver
+from benchmarks._report import git_commit, machine
 
 GB = 1e9
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-SIZES_GB = (0.064, 0.256, 1.0, 2.0)
-LLAMA_1B = dict(hidden=2048, intermediate=8192, heads=32, kv_heads=8, head_dim=64, layers=16, vocab=128256)
-TINY = dict(hidden=64, intermediate=128, heads=2, kv_heads=1, head_dim=32, layers=2, vocab=128)
-LORA_RANK = 16
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-LORA_CONFIG = {"r": LORA_RANK, "lora_alpha": 2 * LORA_RANK, "target_modules": list(LINEARS)}
+SHAPES = dict(hidden=2048, intermediate=8192, heads=32, kv_heads=8, head_dim=64, vocab=128256)
 REPORT_TIMEOUT_S = 600.0
+PATHS = ("raw_zmq", "shm", "zmq")
 
 
 # -- payload -------------------------------------------------------------------------------------
-def model_shapes(c: dict[str, int], *, bias: bool = False, lm_head: bool = False) -> list[tuple[str, list[int]]]:
-    """(name, shape) of a Llama/Qwen2-style state dict in model order, layers before the embedding."""
+def model_shapes(target_bytes: float) -> list[tuple[str, list[int]]]:
+    """(name, shape) of bf16 layers of the Llama-style model until ``target_bytes``, then as much embedding as fits."""
+    c = SHAPES
     h, i, q, kv = c["hidden"], c["intermediate"], c["heads"] * c["head_dim"], c["kv_heads"] * c["head_dim"]
-    out = []
-    for n in range(c["layers"]):
-        p = f"model.layers.{n}"
-        for proj, shape in (("q_proj", [q, h]), ("k_proj", [kv, h]), ("v_proj", [kv, h]), ("o_proj", [h, q])):
-            out.append((f"{p}.self_attn.{proj}.weight", shape))
-            if bias and proj != "o_proj":
-                out.append((f"{p}.self_attn.{proj}.bias", shape[:1]))
-        for proj, shape in (("gate_proj", [i, h]), ("up_proj", [i, h]), ("down_proj", [h, i])):
-            out.append((f"{p}.mlp.{proj}.weight", shape))
-        out += [(f"{p}.input_layernorm.weight", [h]), (f"{p}.post_attention_layernorm.weight", [h])]
-    out += [("model.norm.weight", [h]), ("model.embed_tokens.weight", [c["vocab"], h])]
-    if lm_head:
-        out.append(("lm_head.weight", [c["vocab"], h]))
+    layer = [("self_attn.q_proj", [q, h]), ("self_attn.k_proj", [kv, h]), ("self_attn.v_proj", [kv, h]),
+             ("self_attn.o_proj", [h, q]), ("mlp.gate_proj", [i, h]), ("mlp.up_proj", [i, h]),
+             ("mlp.down_proj", [h, i]), ("input_layernorm", [h]), ("post_attention_layernorm", [h])]
+    out, total, n = [], 0, 0
+    while True:
+        block = [(f"model.layers.{n}.{p}.weight", s) for p, s in layer]
+        size = sum(2 * _numel(s) for _, s in block)
+        if total + size > target_bytes:
+            break
+        out += block
+        total, n = total + size, n + 1
+    rows = int((target_bytes - total) // (2 * h))
+    if rows > 0:
+        out.append(("model.embed_tokens.weight", [min(rows, c["vocab"] * 8), h]))
     return out
 
 
-def nbytes_of(shape: list[int], dtype: torch.dtype) -> int:
-    n = dtype.itemsize
+def _numel(shape: list[int]) -> int:
+    n = 1
     for d in shape:
         n *= d
     return n
 
 
-def make_sizes(max_gb: float) -> list[dict[str, Any]]:
-    """The size ladder: tiny, then prefixes of the 1B shapes; each with its tensor names and bytes."""
-    tiny = model_shapes(TINY, bias=True, lm_head=True)
-    sizes = [{"name": "tiny", "dtype": "float32", "shapes": tiny,
-              "bytes": sum(nbytes_of(s, torch.float32) for _, s in tiny)}]
-    full = model_shapes(LLAMA_1B)
-    for target in [g for g in SIZES_GB if g <= max_gb + 1e-9]:
-        prefix, total = [], 0
-        for name, shape in full:
-            b = nbytes_of(shape, torch.bfloat16)
-            if total + b > target * GB:
-                break
-            prefix.append((name, shape))
-            total += b
-        sizes.append({"name": f"{total / GB:.3g}GB", "dtype": "bfloat16", "shapes": prefix, "bytes": total})
-    return sizes
+def make_payload(shapes: list[tuple[str, list[int]]], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)  # random bit patterns: nothing compresses or dedups
+    return {name: torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=g).view(torch.bfloat16)
+            for name, shape in shapes}
 
 
-def make_tensors(shapes: list[tuple[str, list[int]]], dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {name: torch.randn(shape, generator=g, dtype=torch.float32).to(dtype) for name, shape in shapes}
+def stamp(tensors: dict[str, torch.Tensor], version: int) -> None:
+    """Marks every tensor with the version (its first element), so a receiver can tell versions apart."""
+    for t in tensors.values():
+        t.view(torch.int16).view(-1)[0] = version
 
 
-def lora_adapters(shapes: list[tuple[str, list[int]]], seed: int) -> dict[str, torch.Tensor]:
-    """peft-named rank-16 adapters (bf16) for every linear projection among ``shapes``."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, shape in shapes:
-        module = name.removesuffix(".weight")
-        if module.rsplit(".", 1)[-1] in LINEARS:
-            out_f, in_f = shape
-            prefix = f"base_model.model.{module}"
-            out[f"{prefix}.lora_A.weight"] = torch.randn(LORA_RANK, in_f, generator=g).to(torch.bfloat16)
-            out[f"{prefix}.lora_B.weight"] = torch.randn(out_f, LORA_RANK, generator=g).to(torch.bfloat16)
-    return out
-
-
-# -- baselines -----------------------------------------------------------------------------------
-def memcpy_seconds(tensors: dict[str, torch.Tensor], repeats: int) -> dict[str, list[float]]:
-    total = sum(t.nbytes for t in tensors.values())
-    dst = torch.zeros(total, dtype=torch.uint8)  # touched: the warm path measures copying only
-    warm, fresh = [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        offset = 0
-        for t in tensors.values():
-            dst[offset : offset + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
-            offset += t.nbytes
-        warm.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        clones = [t.clone() for t in tensors.values()]
-        fresh.append(time.perf_counter() - t0)
-        del clones
-    return {"memcpy": warm, "memcpy_fresh": fresh}
+def digest(tensors: dict[str, torch.Tensor]) -> int:
+    h = xxhash.xxh3_64()
+    for name, t in tensors.items():
+        h.update(name.encode())
+        h.update(memoryview(t.contiguous().view(torch.uint8).view(-1).numpy()))
+    return h.intdigest()
 
 
 # -- receiver processes --------------------------------------------------------------------------
-def receiver_main(backend: str, address: str, receiver_id: str, threads: int, conn: Any) -> None:
-    """A worker's side: stage each new version, drop it, commit, report ``staged_at``."""
+def receiver_main(path: str, address: str, receiver_id: str, shapes: list, engine_mode: str, threads: int,
+                  conn: Any) -> None:
+    """A worker's side: its engine tensors, preallocated and touched; each version is copied into them."""
     torch.set_num_threads(threads)
-    r = setup_weight_receiver(backend, address, receiver_id=receiver_id)
+    engine = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in shapes}
+    if path == "raw_zmq":
+        return _raw_receiver(address, engine, conn)
+    from asyncrl.weights import setup_weight_receiver
+
+    r = setup_weight_receiver(path, address, receiver_id=receiver_id)
     r.start()
     conn.send({"event": "ready"})
-    last = 0
+    last, checked = 0, False
     while not conn.poll():
         update = r.wait(last + 1, 0.2)
         if update is None:
             continue
-        report = {"event": "staged", "version": update.version, "bytes": update.nbytes, **update.metadata}
+        if engine_mode == "copy":
+            for name, t in update.tensors.items():
+                engine[name].copy_(t)
+            held = engine
+        else:  # "views": the engine runs from the verified shared-memory views
+            held = update.tensors
+        done = time.monotonic()
+        stamped = all(int(t.view(torch.int16).view(-1)[0]) == update.version for t in held.values())
+        report = {"event": "applied", "version": update.version, "done_at": done, "stamped": stamped,
+                  "staged_at": update.metadata["staged_at"], "transfer_s": update.metadata["transfer_s"]}
+        if not checked:
+            report["digest"], checked = digest(held), True
         last = update.version
-        del update  # free our copy before the next version arrives (the engine would own it)
         r.commit(last)
         conn.send(report)
     stats = r.stats()
@@ -165,8 +146,40 @@ def receiver_main(backend: str, address: str, receiver_id: str, threads: int, co
                "peak_rss_gb": peak_rss_gb()})
 
 
+def _raw_receiver(address: str, engine: dict[str, torch.Tensor], conn: Any) -> None:
+    import ctypes
+
+    import numpy as np
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    conn.send({"event": "ready"})
+    checked = False
+    targets = list(engine.values())
+    while not conn.poll():
+        if not sock.poll(200):
+            continue
+        frames = sock.recv_multipart(copy=False)
+        version = int.from_bytes(frames[0].bytes, "little")
+        for t, f in zip(targets, frames[1:]):
+            ctypes.memmove(t.data_ptr(), np.frombuffer(f.buffer, dtype=np.uint8).ctypes.data, t.nbytes)
+        done = time.monotonic()
+        del frames
+        stamped = all(int(t.view(torch.int16).view(-1)[0]) == version for t in targets)
+        report = {"event": "applied", "version": version, "done_at": done, "stamped": stamped}
+        if not checked:
+            report["digest"], checked = digest(engine), True
+        conn.send(report)
+    sock.close()
+    ctx.term()
+    conn.send({"event": "stopped", "failures": 0, "recent_failures": [], "peak_rss_gb": peak_rss_gb()})
+
+
 def peak_rss_gb() -> float | None:
-    """This process's peak resident memory (VmHWM; ru_maxrss would include the parent's from before exec)."""
+    """This process's peak resident memory (VmHWM)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
@@ -177,14 +190,15 @@ def peak_rss_gb() -> float | None:
 
 
 class Receivers:
-    """N receiver processes of one backend, each reporting over a pipe."""
+    """N receiver processes of one path, each reporting over a pipe."""
 
-    def __init__(self, backend: str, address: str, n: int, threads: int):
+    def __init__(self, path: str, addresses: list[str], shapes: list, engine_mode: str, threads: int):
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
-        for i in range(n):
+        for i, address in enumerate(addresses):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=receiver_main, args=(backend, address, f"r{i}", threads, child), daemon=True)
+            proc = ctx.Process(target=receiver_main, args=(path, address, f"r{i}", shapes, engine_mode, threads, child),
+                               daemon=True)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -196,12 +210,11 @@ class Receivers:
             raise TimeoutError(f"no report from a receiver within {REPORT_TIMEOUT_S} s")
         return conn.recv()
 
-    def staged(self, version: int) -> list[dict[str, Any]]:
-        """Blocks until every receiver staged ``version``; returns their reports."""
+    def applied(self, version: int) -> list[dict[str, Any]]:
         out = []
         for c in self.conns:
             while (report := self.recv(c))["version"] < version:
-                pass  # an older version staged before this one was published
+                pass
             out.append(report)
         return out
 
@@ -217,87 +230,127 @@ class Receivers:
         return out
 
 
-def run_backend(backend: str, n: int, sizes: list[dict[str, Any]], payloads: dict[str, dict[str, torch.Tensor]],
-                args: argparse.Namespace) -> dict[str, Any]:
-    b: WeightBroadcaster = setup_weight_broadcaster(backend, keep_versions=1)
-    receivers = Receivers(backend, b.address, n, args.threads)
-    version, results = 0, {}
+# -- cases ---------------------------------------------------------------------------------------
+def footprint(path: str, size: float, n: int, engine_mode: str) -> float:
+    """Bytes a case needs beyond the payload (see the module docstring)."""
+    engines = n * size if engine_mode == "copy" else 0
+    return {"shm": 2 * size + engines, "zmq": size + n * size + engines, "raw_zmq": n * size + engines}[path]
+
+
+def run_case(path: str, n: int, payload: dict[str, torch.Tensor], shapes: list, engine_mode: str,
+             args: argparse.Namespace, version0: int) -> dict[str, Any]:
+    nbytes = sum(t.nbytes for t in payload.values())
+    want = None
+    if path == "raw_zmq":
+        import zmq
+
+        ctx = zmq.Context()
+        socks = [ctx.socket(zmq.PUSH) for _ in range(n)]
+        addresses = []
+        for s in socks:
+            s.setsockopt(zmq.LINGER, 0)
+            addresses.append(f"tcp://127.0.0.1:{s.bind_to_random_port('tcp://127.0.0.1')}")
+        frames = [memoryview(t.view(torch.uint8).view(-1).numpy()) for t in payload.values()]
+    else:
+        from asyncrl.weights import setup_weight_broadcaster
+
+        kw = {"keep_versions": 1} if path == "zmq" else {}
+        b = setup_weight_broadcaster(path, bucket_bytes=args.bucket_mb << 20, **kw)
+        addresses = [b.address] * n
+    receivers = Receivers(path, addresses, shapes, engine_mode, args.threads)
+    samples, digests = [], []
     try:
-        for size in sizes + [{"name": "lora"}]:
-            tensors = payloads[size["name"]]
-            samples = []
-            for _ in range(args.repeats):
-                version += 1
-                kw = {"mode": "lora", "lora_config": LORA_CONFIG} if size["name"] == "lora" else {}
-                time.sleep(random.uniform(0, 0.025))  # decorrelate from the receivers' poll phase (shm: 20 ms)
-                t0 = time.monotonic()
-                stats = b.publish(tensors, version, **kw)
-                reports = receivers.staged(version)
-                latency = max(r["staged_at"] for r in reports) - t0
-                samples.append({"latency_s": latency, "publish_s": stats["publish_s"], "bytes": stats["bytes"],
-                                "transfer_s": [r["transfer_s"] for r in reports]})
-            results[size["name"]] = summarize(samples)
-            results[size["name"]]["loadavg_1m"] = os.getloadavg()[0]  # other load on the machine shows up here
-            print(f"  {backend} x{n} {size['name']:>8}: {results[size['name']]['gb_per_s']['median']:.3f} GB/s, "
-                  f"latency {results[size['name']]['latency_s']['median'] * 1e3:.1f} ms", flush=True)
+        for k in range(args.repeats + 1):  # version 0 of a case warms it up (segments, buffers, mappings)
+            version = version0 + k + 1
+            stamp(payload, version)
+            if k == 0:
+                want = digest(payload)
+            time.sleep(random.uniform(0, 0.025))  # decorrelate from the receivers' poll phase
+            t0 = time.monotonic()
+            if path == "raw_zmq":
+                for s in socks:
+                    s.send_multipart([version.to_bytes(8, "little"), *frames], copy=False)
+                publish_s = time.monotonic() - t0
+            else:
+                publish_s = b.publish(payload, version)["publish_s"]
+            reports = receivers.applied(version)
+            latency = max(r["done_at"] for r in reports) - t0
+            if not all(r["stamped"] and r["version"] == version for r in reports):
+                raise AssertionError(f"{path} x{n}: a receiver's engine does not hold version {version}: {reports}")
+            digests += [r["digest"] for r in reports if "digest" in r]
+            sample = {"latency_s": latency, "publish_s": publish_s,
+                      "staged_s": [r["staged_at"] - t0 for r in reports if "staged_at" in r]}
+            if k == 0:
+                first = sample
+            else:
+                samples.append(sample)
     finally:
         stopped = receivers.stop()
-        b.close()
-    return {"sizes": results, "receivers": stopped}
+        if path == "raw_zmq":
+            for s in socks:
+                s.close(linger=0)
+            ctx.term()
+        else:
+            b.close()
+    if any(d != want for d in digests):
+        raise AssertionError(f"{path} x{n}: engine tensors differ from the payload ({digests} vs {want})")
+    lat = [s["latency_s"] for s in samples]
+    staged = [max(s["staged_s"]) for s in samples if s["staged_s"]]
+    return {"bytes": nbytes, "receivers": n, "engine": engine_mode, "verified": len(digests) == n,
+            "latency_s": stats_of(lat), "gb_per_s": stats_of([nbytes / x / GB for x in lat]),
+            "staged_gb_per_s": stats_of([nbytes / x / GB for x in staged]) if staged else None,
+            "first_version": first,
+            "publish_s": stats_of([s["publish_s"] for s in samples]), "samples": samples,
+            "receiver_reports": stopped, "loadavg_1m": os.getloadavg()[0]}
 
 
-# -- report --------------------------------------------------------------------------------------
+def memcpy_case(payload: dict[str, torch.Tensor], repeats: int) -> dict[str, Any]:
+    nbytes = sum(t.nbytes for t in payload.values())
+    dst = torch.zeros(nbytes, dtype=torch.uint8)  # touched: the warm path measures copying only
+    seconds = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        offset = 0
+        for t in payload.values():
+            dst[offset : offset + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+            offset += t.nbytes
+        seconds.append(time.perf_counter() - t0)
+    seconds = seconds[1:]  # the first pass warms the source's cache lines and TLB like later ones
+    return {"bytes": nbytes, "latency_s": stats_of(seconds), "gb_per_s": stats_of([nbytes / s / GB for s in seconds])}
+
+
 def stats_of(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    nbytes = samples[0]["bytes"]
-    return {"bytes": nbytes, "latency_s": stats_of([s["latency_s"] for s in samples]),
-            "publish_s": stats_of([s["publish_s"] for s in samples]),
-            "gb_per_s": stats_of([nbytes / s["latency_s"] / GB for s in samples]),
-            "transfer_gb_per_s": stats_of([nbytes / max(s["transfer_s"]) / GB for s in samples]), "samples": samples}
-
-
-def print_table(report: dict[str, Any]) -> None:
-    paths = list(report["metrics"])
-    print("\nend to end, publish -> all staged: GB/s median | latency ms median")
-    print(f"{'size':<9}{'bytes':>14}" + "".join(f"{p:>18}" for p in paths))
-    for size in report["sizes"]:
-        row = f"{size:<9}{report['bytes'][size]:>14,}"
-        for p in paths:
-            m = report["metrics"][p].get(size)
-            if m is None:
-                row += f"{'-':>18}"
-            else:
-                row += f"{m['gb_per_s']['median']:>8.3f} {m['latency_s']['median'] * 1e3:>9.1f}"
-        print(row)
-    backends = [p for p in paths if not p.startswith("memcpy")]
-    print("\nsplit: publish() s median | receiver transfer GB/s median (manifest -> staged, slowest receiver)")
-    print(f"{'size':<9}" + "".join(f"{p:>18}" for p in backends))
-    for size in report["sizes"]:
-        row = f"{size:<9}"
-        for p in backends:
-            m = report["metrics"][p][size]
-            row += f"{m['publish_s']['median']:>8.3f} {m['transfer_gb_per_s']['median']:>9.3f}"
-        print(row)
+def mem_available() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--max-gb", type=float, default=2.0, help="largest version, GB (1e9 B)")
-    p.add_argument("--repeats", type=int, default=3, help="versions published per size")
-    p.add_argument("--backends", default="zmq,shm", help="comma-separated subset of zmq,shm")
-    p.add_argument("--receivers", default="1,2", help="comma-separated receiver process counts")
+    p.add_argument("--sizes", default="1,4", help="comma-separated version sizes, GB (1e9 B)")
+    p.add_argument("--receivers", default="1,2,4", help="comma-separated receiver process counts")
+    p.add_argument("--backends", default="shm,zmq", help="comma-separated subset of shm,zmq (raw_zmq always runs)")
+    p.add_argument("--repeats", type=int, default=3, help="versions published per case")
     p.add_argument("--threads", type=int, default=1, help="torch threads in every process")
-    p.add_argument("--out", type=Path, default=None,
-                   help="JSON path (default benchmarks/results/weight_sync-DATE.json)")
+    p.add_argument("--engines", default="copy,views",
+                   help="shm engine modes: copy (param.copy_(view) into private tensors), views (run from the views)")
+    p.add_argument("--bucket-mb", type=int, default=64, help="bucket size of the backends, MiB")
+    p.add_argument("--mem-budget-gb", type=float, default=None,
+                   help="memory a case may use beyond the payload; default 80%% of MemAvailable at start")
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/weight_sync-DATE.json)")
     args = p.parse_args(argv)
-    args.backends = [s for s in args.backends.split(",") if s]
+    args.sizes = [float(s) for s in args.sizes.split(",") if s]
     args.receivers = [int(s) for s in args.receivers.split(",") if s]
-    if set(args.backends) - {"zmq", "shm"} or not args.receivers or min(args.receivers) < 1:
-        p.error(f"--backends must be a subset of zmq,shm and --receivers positive ints, "
-                f"got {args.backends} {args.receivers}")
+    args.backends = [s for s in args.backends.split(",") if s]
+    args.engines = [s for s in args.engines.split(",") if s]
+    if set(args.backends) - {"zmq", "shm"} or not args.receivers or min(args.receivers) < 1 or not args.sizes:
+        p.error(f"--backends must be a subset of shm,zmq, --receivers positive ints, --sizes given; "
+                f"got {args.backends} {args.receivers} {args.sizes}")
     return args
 
 
@@ -305,33 +358,51 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    sizes = make_sizes(args.max_gb)
-    largest = sizes[-1]
-    full = make_tensors(largest["shapes"], torch.bfloat16, seed=0) if largest["name"] != "tiny" else {}
-    payloads = {"tiny": make_tensors(sizes[0]["shapes"], torch.float32, seed=1)}
-    for size in sizes[1:]:
-        payloads[size["name"]] = {name: full[name] for name, _ in size["shapes"]}  # prefixes share memory
-    payloads["lora"] = lora_adapters(largest["shapes"], seed=2)
-    metrics: dict[str, dict[str, Any]] = {"memcpy": {}, "memcpy_fresh": {}}
-    for name, tensors in payloads.items():
-        for path, seconds in memcpy_seconds(tensors, args.repeats).items():
-            nbytes = sum(t.nbytes for t in tensors.values())
-            metrics[path][name] = {"bytes": nbytes, "latency_s": stats_of(seconds),
-                                   "gb_per_s": stats_of([nbytes / s / GB for s in seconds])}
-    receivers_info = {}
-    for backend in args.backends:
+    budget = args.mem_budget_gb * GB if args.mem_budget_gb is not None else 0.8 * mem_available()
+    results: dict[str, Any] = {}
+    skipped: list[dict[str, Any]] = []
+    version = 0
+    for size_gb in args.sizes:
+        shapes = model_shapes(size_gb * GB)
+        payload = make_payload(shapes, seed=int(size_gb * 1000))
+        nbytes = sum(t.nbytes for t in payload.values())
+        key = f"{nbytes / GB:.3g}GB"
+        row: dict[str, Any] = {"bytes": nbytes, "tensors": len(shapes), "memcpy": memcpy_case(payload, args.repeats)}
+        print(f"{key}: memcpy {row['memcpy']['gb_per_s']['median']:.2f} GB/s", flush=True)
         for n in args.receivers:
-            out = run_backend(backend, n, sizes, payloads, args)
-            metrics[f"{backend} x{n}"] = out["sizes"]
-            receivers_info[f"{backend} x{n}"] = out["receivers"]
-    nbytes = {name: sum(t.nbytes for t in tensors.values()) for name, tensors in payloads.items()}
+            for path in ["raw_zmq", *args.backends]:
+                mode = "copy"
+                if footprint(path, nbytes, n, mode) > budget:
+                    mode = "views" if path == "shm" else None
+                if mode is None or footprint(path, nbytes, n, mode) > budget:
+                    skipped.append({"size": key, "path": path, "receivers": n,
+                                    "footprint_gb": footprint(path, nbytes, n, "copy") / GB, "budget_gb": budget / GB})
+                    print(f"  {path} x{n}: skipped (needs {footprint(path, nbytes, n, 'copy') / GB:.1f} GB beyond the "
+                          f"payload, budget {budget / GB:.1f} GB)", flush=True)
+                    continue
+                modes = [mode, "views"] if path == "shm" and mode == "copy" and "views" in args.engines else [mode]
+                for m in modes:
+                    out = run_case(path, n, payload, shapes, m, args, version)
+                    version += args.repeats + 1
+                    memcpy = row["memcpy"]["gb_per_s"]["median"]
+                    out["x_memcpy"] = out["gb_per_s"]["median"] / memcpy
+                    if out["staged_gb_per_s"] is not None:
+                        out["x_memcpy_staged"] = out["staged_gb_per_s"]["median"] / memcpy
+                    raw = row.get(f"raw_zmq x{n}")
+                    if raw is not None:
+                        out["x_raw_zmq"] = out["gb_per_s"]["median"] / raw["gb_per_s"]["median"]
+                    name = f"{path} x{n}" if m == "copy" or path != "shm" else f"shm-views x{n}"
+                    row[name] = out
+                    print(f"  {name} ({m}): {out['gb_per_s']['median']:.2f} GB/s end to end, "
+                          f"{out['x_memcpy']:.2f}x memcpy" + (f", {out['x_raw_zmq']:.2f}x raw pyzmq" if raw else "")
+                          + (f", staged {out['x_memcpy_staged']:.2f}x memcpy" if "x_memcpy_staged" in out else "")
+                          + f", latency {out['latency_s']['median'] * 1e3:.0f} ms", flush=True)
+        results[key] = row
+        del payload
     config = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "gb": GB,
-              "lora_rank": LORA_RANK, "llama_1b": LLAMA_1B, "tiny": TINY,
-              "sizes": {s["name"]: {"tensors": len(s["shapes"]), "dtype": s["dtype"]} for s in sizes},
-              "lora_of": largest["name"]}
-    report = {"benchmark": "weight_sync", "date": date, "config": config, "machine": machine(),
-              "sizes": list(payloads), "bytes": nbytes, "metrics": metrics, "receivers": receivers_info,
-              "lora_vs_full_bytes": nbytes["lora"] / nbytes[largest["name"]],
+              "shapes": SHAPES, "mem_budget_gb": budget / GB}
+    report = {"benchmark": "weight_sync", "date": date, "commit": git_commit(), "config": config,
+              "machine": machine(), "results": results, "skipped": skipped,
               "broadcaster_peak_rss_gb": peak_rss_gb()}
     path = args.out or RESULTS_DIR / f"weight_sync-{date[:10]}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -339,9 +410,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     tmp.write_text(json.dumps(report, indent=2) + "\n")
     os.replace(tmp, path)
     print_table(report)
-    print(f"\nLoRA rank {LORA_RANK} adapters of {largest['name']}: {nbytes['lora']:,} B = "
-          f"{report['lora_vs_full_bytes']:.2%} of the full {nbytes[largest['name']]:,} B")
     print(f"wrote {path}")
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print("\nend to end (publish -> engine tensors hold it, verified): GB/s median, ratio")
+    for size, row in report["results"].items():
+        print(f"{size}: memcpy {row['memcpy']['gb_per_s']['median']:.2f} GB/s")
+        for name, m in row.items():
+            if isinstance(m, dict) and "receivers" in m:
+                ratios = f"{m['x_memcpy']:.2f}x memcpy" + (f", {m['x_raw_zmq']:.2f}x raw" if "x_raw_zmq" in m else "")
+                ratios += f" (staged: {m['x_memcpy_staged']:.2f}x memcpy)" if "x_memcpy_staged" in m else ""
+                print(f"  {name:<12} {m['engine']:<5} {m['gb_per_s']['median']:>7.2f} GB/s  {ratios}")
 
 
 if __name__ == "__main__":
