@@ -37,17 +37,14 @@ yet: a pool that closed right after sending SHUTDOWN lost it whenever the worker
 from __future__ import annotations
 
 import collections
-import ipaddress
 import logging
 import os
 import socket as pysocket
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 import zmq
 
@@ -66,7 +63,7 @@ from asyncrl.transport._curve import (
     start_authenticator,
     write_curve_key_file,
 )
-from asyncrl.transport._zmq_util import drain
+from asyncrl.transport._zmq_util import IOThread, drain, is_loopback_bind
 from asyncrl.transport.base import HandshakeTimeout, PeerLost, ReceivedLease, RolloutReceiver, RolloutSender
 
 __all__ = [
@@ -109,16 +106,7 @@ def check_bind_address(config: TransportConfig) -> None:
     Raises:
         ValueError: naming the settings that fix it.
     """
-    if not config.bind.startswith("tcp://"):
-        return
-    host = urlsplit(config.bind).hostname or ""
-    if host == "localhost":
-        return
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback and config.curve_secret_key is None and not config.allow_insecure_remote:
+    if not is_loopback_bind(config.bind) and config.curve_secret_key is None and not config.allow_insecure_remote:
         raise ValueError(
             f"refusing to bind {config.bind!r} beyond loopback without authentication: set "
             "transport.curve_secret_key/curve_public_key (asyncrl.transport.zmq_transport.generate_curve_keys) "
@@ -179,14 +167,13 @@ class ZmqRolloutReceiver(RolloutReceiver):
         self.prompt_fn = prompt_fn
         self.rank = rank
         self.world_size = world_size
-        self._ctx = zmq.Context()
-        self._stop = threading.Event()
+        self._io = IOThread(self, f"asyncrl-receiver-rank{rank}")
+        self._ctx, self._stop = self._io.ctx, self._io.stop
         self._ready = threading.Event()
         self._cancel = threading.Event()
         self._shutdown_workers = True
         self._endpoint: str | None = None
         self._start_error: BaseException | None = None
-        self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._counters: collections.Counter[str] = collections.Counter()
         self._recent_errors: collections.deque[tuple[str, str]] = collections.deque(maxlen=32)
@@ -196,13 +183,11 @@ class ZmqRolloutReceiver(RolloutReceiver):
         # identity -> worker id of every identity welcomed, oldest first, bounded (I/O thread only)
         self._greeted: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self._unroutable: set[bytes] = set()  # identities whose last send failed as unroutable (I/O thread)
-        self._finalizer = weakref.finalize(self, _stop_thread, self._stop)
 
     # -- public --------------------------------------------------------------------------------
     def start(self) -> str:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=f"asyncrl-receiver-rank{self.rank}", daemon=True)
-            self._thread.start()
+        if not self._io.started:
+            self._io.start(self._run)
             if not self._ready.wait(30):
                 raise TimeoutError(f"rollout receiver did not bind {self.config.bind} within 30 s")
             if self._start_error is not None:
@@ -231,12 +216,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
 
     def close(self, shutdown_workers: bool = True) -> None:
         self._shutdown_workers = shutdown_workers
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
-            if not self._thread.is_alive():
-                self._ctx.term()  # the I/O thread closed its socket
-        self._finalizer()
+        self._io.close()  # joins the I/O thread, which closes its socket; then the context
 
     # -- I/O thread ----------------------------------------------------------------------------
     def _count(self, key: str, n: int = 1) -> None:
@@ -589,10 +569,6 @@ class ZmqRolloutReceiver(RolloutReceiver):
                 self._count("leases_granted", len(leases))
 
 
-def _stop_thread(stop: threading.Event) -> None:
-    stop.set()
-
-
 class ZmqRolloutSender(RolloutSender):
     """Worker-side end: one DEALER per pool, owned by an I/O thread.
 
@@ -626,7 +602,8 @@ class ZmqRolloutSender(RolloutSender):
         self._client_keys: tuple[bytes, bytes] = (
             (zmq.curve_public(secret.encode()), secret.encode()) if secret is not None else zmq.curve_keypair()
         )
-        self._ctx = zmq.Context()
+        self._io = IOThread(self, f"asyncrl-sender-{worker_id}")
+        self._ctx, self._stop = self._io.ctx, self._io.stop
         self._out_addr = f"inproc://asyncrl-out-{id(self):x}"
         self._cv = threading.Condition()
         self._leases: collections.deque[ReceivedLease] = collections.deque()
@@ -635,11 +612,9 @@ class ZmqRolloutSender(RolloutSender):
         self._lost = [False] * len(endpoints)
         self._abandoned = [False] * len(endpoints)  # never welcomed within handshake_timeout_s
         self._pending: list[collections.deque] = [collections.deque() for _ in endpoints]
-        self._stop = threading.Event()
         self._bound = threading.Event()
         self._error: BaseException | None = None
         self._pusher: zmq.Socket | None = None
-        self._thread: threading.Thread | None = None
         self.policy_version = 0
         self.incarnation = ""
         """The live trainer incarnation, as the pools last said (WELCOME, LEASES, HEARTBEAT)."""
@@ -649,8 +624,7 @@ class ZmqRolloutSender(RolloutSender):
 
     # -- main thread ---------------------------------------------------------------------------
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=f"asyncrl-sender-{self.worker_id}", daemon=True)
-        self._thread.start()
+        self._io.start(self._run)
         # Serve as soon as one pool answers; the I/O thread keeps greeting the others until
         # handshake_timeout_s and then gives up on them (a rank that already finished, say).
         deadline = time.monotonic() + self.config.handshake_timeout_s
@@ -709,11 +683,7 @@ class ZmqRolloutSender(RolloutSender):
         if self._pusher is not None:
             self._pusher.close()  # LINGER -1: everything pushed reaches the I/O thread first
             self._pusher = None
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
-            if not self._thread.is_alive():
-                self._ctx.term()
+        self._io.close()
 
     # -- I/O thread ----------------------------------------------------------------------------
     def _run(self) -> None:
