@@ -11,19 +11,25 @@ of a version ``(base_incarnation, base_version)`` that the receiver has committe
         neither smaller than the bucket -> encode() returns None: send the full bucket
     receiver: check the base is the one held -> result = base XOR x -> check the result's checksum
 
-The delta carries the base it was made against and the checksum of the *result* (the bucket's
-checksum in the manifest, :func:`asyncrl.weights.base.bucket_checksum`). :meth:`DeltaCodec.decode`
+The delta carries the base it was made against and the checksum of the *result* (the bucket's checksum,
+:func:`asyncrl.weights.base.bucket_checksum`, which the zmq BUCKET message also carries). :meth:`DeltaCodec.decode`
 refuses, with a :class:`DeltaRefused` whose ``reason`` is one of :data:`REFUSALS`, a delta whose base
 the receiver does not hold (``base_mismatch``: a late joiner, a skipped version, a rolled-back
 incarnation, a receiver that lied about its base), whose payload is malformed (``malformed``) or whose
 result does not match the checksum (``checksum_mismatch``: the receiver's base bytes differ from the
 broadcaster's). The backends count refusals by reason and heal by fetching that bucket in full.
 
-Who blocks on what: nothing here blocks or locks; a :class:`DeltaCodec` owns reusable zstd contexts and
-a scratch buffer, so each thread that encodes or decodes uses its own codec (the broadcaster's I/O
-thread, each receiver's I/O thread). Encoding costs one XOR and one scan of the bucket plus zstd of
-what changed; decoding one copy of the base plus a scatter of what changed (sparse), or a zstd
-decompression and an XOR (xor).
+The backends' two ends: :func:`encode_bucket` (broadcaster) and :func:`apply_bucket` (receiver), and
+:class:`DeltaBase`, the receiver's committed buckets. Where they plug in: ``zmq_weights`` (a GET names
+the receiver's base, a BUCKET may carry a ``delta`` header with the payload as its data frame). Not in
+``shm_weights``: its receivers verify and load the shared segment in place, so no bytes per receiver
+are there to save.
+
+Who blocks on what: a :class:`DeltaCodec` never blocks and owns reusable zstd contexts and a scratch
+buffer, so each thread that encodes or decodes uses its own codec (the broadcaster's I/O thread, each
+receiver's I/O thread); :class:`DeltaBase` takes a short lock. Encoding costs one compare pass over new
+and base as 8-byte blocks plus zstd of what changed; decoding one copy of the base plus a scatter of
+what changed (sparse), or a zstd decompression and an XOR (xor), then the result's checksum.
 """
 
 from __future__ import annotations
