@@ -164,6 +164,18 @@ def _receiver(address: str, delta: bool, versions: int, out: mp.Queue) -> None:
         r.close()
 
 
+def _settled(b, timeout: float = 1.0) -> dict[str, Any]:
+    """The broadcaster's stats once ``bytes_served`` stops moving (it counts each bucket just after sending it)."""
+    deadline, last = time.monotonic() + timeout, b.stats()
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+        now = b.stats()
+        if now["bytes_served"] == last["bytes_served"]:
+            return now
+        last = now
+    return last
+
+
 def zmq_section(before: dict, after: dict, *, delta: bool, repeats: int, bucket_bytes: int) -> dict[str, Any]:
     versions = repeats + 1
     b = setup_weight_broadcaster("zmq", bucket_bytes=bucket_bytes, delta=delta)
@@ -181,7 +193,7 @@ def zmq_section(before: dict, after: dict, *, delta: bool, repeats: int, bucket_
             msg = q.get(timeout=REPORT_TIMEOUT_S)
             if msg[0] != "staged":
                 raise RuntimeError(f"receiver: {msg}")
-            stats = b.stats()
+            stats = _settled(b)
             nbytes, served = stats["bytes_served"] - served, stats["bytes_served"]
             if v > 1:  # version 1 is every receiver's first copy: full either way
                 samples.append({"version": v, "latency_s": msg[2] - t0, "bytes": nbytes})
