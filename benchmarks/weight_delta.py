@@ -203,7 +203,8 @@ def zmq_section(before: dict, after: dict, *, delta: bool, repeats: int, bucket_
         if proc.is_alive():
             proc.kill()
         b.close()
-    keep = ("bytes_served", "delta_bytes", "full_bytes", "buckets_delta", "buckets_full")
+    keep = ("bytes_served", "delta_bytes", "full_bytes", "buckets_delta", "buckets_full", "delta_encode_s", "deltas_encoded",
+            "deltas_not_smaller", "deltas_base_not_held")
     return {"delta": delta, "samples": samples, "latency_s": statistics.median(s["latency_s"] for s in samples),
             "bytes": statistics.median(s["bytes"] for s in samples),
             "broadcaster": {k: v for k, v in stats.items() if k in keep},
