@@ -1,4 +1,4 @@
-"""Weight sync end to end: publish -> every receiver's engine tensors hold the new version, against memcpy and raw pyzmq.
+"""Weight sync end to end: publish -> every receiver's engine tensors hold the version, against memcpy and raw pyzmq.
 
 Payload: random bf16 tensors shaped like a Llama-style model (hidden 2048, intermediate 8192, 32/8 heads;
 as many layers as the size needs, then the embedding), ``--sizes`` GB each (1 GB = 1e9 B). Paths, all in
@@ -342,7 +342,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bucket-mb", type=int, default=64, help="bucket size of the backends, MiB")
     p.add_argument("--mem-budget-gb", type=float, default=None,
                    help="memory a case may use beyond the payload; default 80%% of MemAvailable at start")
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/weight_sync-DATE.json)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON path (default benchmarks/results/weight_sync-DATE.json)")
     args = p.parse_args(argv)
     args.sizes = [float(s) for s in args.sizes.split(",") if s]
     args.receivers = [int(s) for s in args.receivers.split(",") if s]

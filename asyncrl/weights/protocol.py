@@ -11,7 +11,8 @@ zmq messages (every body a msgpack map checked by :func:`check_message`; a viola
 
     receiver                                 broadcaster
     WANT {receiver_id, have, committed}  ──► MANIFEST {manifest fields} | NONE
-    GET {version, index}  (≤ window)     ──► BUCKET {version, index, checksum, <bucket fields>} | GONE {version, index}
+    GET {version, index}  (≤ window)     ──► BUCKET {version, index, checksum, <bucket fields>}
+                                             | GONE {version, index}
     COMMIT {receiver_id, version}        ──► (recorded; committed() reports it)
                                          ◄── ANNOUNCE {version}  (on publish, to every receiver seen)
 
@@ -48,6 +49,7 @@ __all__ = [
     "RECEIVER_KINDS",
     "WANT",
     "buckets_from_wire",
+    "check_checksum",
     "check_message",
     "decode_bucket",
     "encode_bucket",
@@ -188,7 +190,8 @@ def decode_bucket(bucket: Bucket, body: dict[str, Any], out: torch.Tensor) -> in
         DecodeError: for a body that does not carry ``bucket.nbytes`` bytes.
     """
     data = body.get("data")
-    if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1 or data.numel() != bucket.nbytes:
+    ok = isinstance(data, torch.Tensor) and data.dtype == torch.uint8 and data.dim() == 1
+    if not ok or data.numel() != bucket.nbytes:
         got = f"{data.dtype}{list(data.shape)}" if isinstance(data, torch.Tensor) else type(data).__name__
         raise DecodeError(f"bucket {bucket.index} is {got}, the manifest says {bucket.nbytes} bytes")
     return copy_checksum(out, data)

@@ -111,7 +111,7 @@ def _lock(fd: int, how: int, timeout: float) -> bool:
 
 
 def _buffer(mm: mmap.mmap) -> torch.Tensor:
-    with warnings.catch_warnings():  # a receiver's mapping is read-only on purpose: nobody writes a slot but its broadcaster
+    with warnings.catch_warnings():  # a receiver's mapping is read-only on purpose: only the broadcaster writes
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         return torch.frombuffer(mm, dtype=torch.uint8)
 
@@ -419,7 +419,7 @@ class ShmWeightReceiver(StagedReceiver):
                 del self._maps[k]  # a replaced segment: its memory goes with the last view into it
             # mmap keeps a dup of the descriptor it maps, and a dup shares the open file's flock: map through a
             # descriptor of its own, or the mapping would hold this transfer's shared lock for as long as it lives
-            own = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY) if os.path.isdir("/proc/self/fd") else os.open(path, os.O_RDONLY)
+            own = os.open(f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else path, os.O_RDONLY)
             try:
                 if os.fstat(own).st_ino != st.st_ino:
                     raise OSError(f"{path} was replaced while it was being opened")
@@ -480,7 +480,8 @@ class ShmWeightReceiver(StagedReceiver):
             return f"segment {info['segment']} is not a weight segment (magic {magic:#x})"
         if publish != info["publish"]:
             return "superseded"  # the slot was claimed for a later publish: that one is in latest.json
-        if n != len(m.buckets) or info["data_offset"] < _data_offset(n) or len(mapping.mm) < info["data_offset"] + m.nbytes:
+        end = info["data_offset"] + m.nbytes
+        if n != len(m.buckets) or info["data_offset"] < _data_offset(n) or len(mapping.mm) < end:
             return (f"segment {info['segment']} ({len(mapping.mm)} bytes, {n} buckets) does not hold the manifest's "
                     f"{len(m.buckets)} buckets of {m.nbytes} bytes at {info['data_offset']}")
         return None
@@ -497,7 +498,8 @@ class ShmWeightReceiver(StagedReceiver):
                 now = time.monotonic()
                 if state == FAILED or self._stop.is_set() or now - last_progress > self.timeout_s:
                     if not self._stop.is_set():
-                        why = "failed while publishing it" if state == FAILED else f"wrote nothing for {self.timeout_s} s"
+                        why = ("failed while publishing it" if state == FAILED
+                               else f"wrote nothing for {self.timeout_s} s")
                         self._fail(m.version, f"version {m.version}: the broadcaster {why} (bucket {b.index})")
                     return False
                 if self._newer_than(key):

@@ -51,7 +51,7 @@ from asyncrl.transport._curve import allowed_keys, client_secret_key, start_auth
 from asyncrl.transport._zmq_util import IOThread, drain, is_loopback_bind
 from asyncrl.weights import protocol as P
 from asyncrl.weights._checksum import fill_bucket
-from asyncrl.weights._receiver import RETRY_S, StagedReceiver
+from asyncrl.weights._receiver import StagedReceiver
 from asyncrl.weights._staging import check_publish, check_receiver_id, unpack_bucket
 from asyncrl.weights.base import Bucket, WeightBroadcaster, WeightMode, WeightSyncError, WeightUpdate, plan_buckets
 from asyncrl.weights.delta import DeltaBase, DeltaCodec, DeltaRefused, apply_bucket
@@ -382,7 +382,8 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
                     for identity, index in waiting:
                         self._get(sock, identity, entry, index)
 
-    def _send(self, sock: zmq.Socket, identity: bytes, frames: list[Any], track: bool = False) -> zmq.MessageTracker | None:
+    def _send(self, sock: zmq.Socket, identity: bytes, frames: list[Any],
+              track: bool = False) -> zmq.MessageTracker | None:
         try:
             tracker = sock.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False, track=track)
             return tracker if track else None

@@ -13,11 +13,13 @@ WAIT_S = 10.0
 
 
 def test_non_loopback_bind_without_curve_is_refused():
-    with pytest.raises(ValueError, match=r"refusing to bind the weight broadcaster to 'tcp://0.0.0.0:0' beyond loopback"):
+    refused = r"refusing to bind the weight broadcaster to 'tcp://0.0.0.0:0' beyond loopback"
+    with pytest.raises(ValueError, match=refused):
         ZmqWeightBroadcaster("tcp://0.0.0.0:0")
     with pytest.raises(ValueError, match="allow-list of worker public keys"):
         public, secret = generate_curve_keys()
-        ZmqWeightBroadcaster("tcp://0.0.0.0:0", security=TransportConfig(curve_secret_key=secret, curve_public_key=public))
+        keys = TransportConfig(curve_secret_key=secret, curve_public_key=public)
+        ZmqWeightBroadcaster("tcp://0.0.0.0:0", security=keys)
     b = ZmqWeightBroadcaster("tcp://0.0.0.0:0", security=TransportConfig(allow_insecure_remote=True))  # said out loud
     b.close()
 
