@@ -94,7 +94,7 @@ def check_weight_bind(bind: str, security: TransportConfig | None) -> None:
     )
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Snapshot:
     """One version's bucket buffers, reused by later versions of the same layout."""
 
@@ -114,7 +114,7 @@ class _Snapshot:
         return True
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Version:
     manifest: P.Manifest
     frames: list[Any]
@@ -238,8 +238,9 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
                         entry.checksums.append(checksum)
                     self._wake()
             except BaseException:
-                with self._lock:
+                with self._lock:  # no longer offered: receivers fail what they fetched of it and keep theirs
                     entry.failed = True
+                    self._versions = collections.deque(v for v in self._versions if v is not entry)  # identity
                 self._wake()
                 raise
         return {"version": version, "bytes": manifest.nbytes, "buckets": len(buckets),
@@ -530,10 +531,10 @@ class _BufferPool:
 
     def take(self, layout: tuple[int, ...]) -> list[torch.Tensor]:
         with self._lock:
-            for item in self._free:
-                if item[0] == layout:
-                    self._free.remove(item)
-                    return item[1]
+            for k, (have, buffers) in enumerate(self._free):
+                if have == layout:
+                    del self._free[k]  # by position: comparing buffers would compare tensors
+                    return buffers
         self.allocated += 1
         return [torch.empty(n, dtype=torch.uint8).zero_() for n in layout]  # touched: no page faults later
 

@@ -113,3 +113,32 @@ def test_checksum_mismatch_is_refused_and_counted(backend):
     b.publish(weights(3), 3)
     update = r.wait(3, WAIT_S)
     assert update is not None and is_version(update.tensors, 3)
+
+
+def test_a_publish_that_dies_midway_is_never_staged(backend):
+    """The trainer raises while writing bucket 5 of version 2 (after receivers started fetching it): receivers
+    count a failure and keep version 1; version 3 gets through."""
+    name, b, receiver = backend
+    r = receiver("r0")
+    b.publish(weights(1), 1)
+    r.commit(r.wait(1, WAIT_S).version)
+    real = b._fill
+
+    def dying(bucket, tensors, out):
+        if bucket.index == 5:
+            raise RuntimeError("trainer died mid-publish")
+        return real(bucket, tensors, out)
+
+    b._fill = dying
+    with pytest.raises(RuntimeError, match="mid-publish"):
+        b.publish(weights(2), 2)
+    b._fill = real
+    deadline = time.monotonic() + (WAIT_S if name == "shm" else 0.5)  # zmq: a receiver may never have seen it
+    while r.stats()["failures"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if name == "shm":  # latest.json names the failed segment: every reader counts it
+        assert r.stats()["failures"] >= 1 and "failed while publishing" in r.stats()["recent_failures"][0]["reason"]
+    assert r.poll() is None and r.stats()["committed_version"] == 1 and r.stats()["versions_staged"] == 1
+    b.publish(weights(3), 3)
+    update = r.wait(3, WAIT_S)
+    assert update is not None and is_version(update.tensors, 3)
