@@ -21,8 +21,8 @@ memcpy and to raw pyzmq of the same size measured in the same run (``x_memcpy``,
 shm >= 0.6x memcpy, zmq >= 0.5x raw pyzmq).
 
 Memory: a case needs ``payload + path footprint`` (shm: 2 slots + N engines; zmq: one snapshot + N x (receive
-buffers + engine); raw_zmq: N x (libzmq's copy + engine)). A case over ``--mem-budget-gb`` (default 80 %
-of MemAvailable at start) runs with ``engine="views"`` where the backend allows it (shm: each receiver's
+buffers + engine); raw_zmq: N x (libzmq's copy + engine)). A case over ``--mem-budget-gb`` (payload included;
+default 80 % of MemAvailable at start) runs with ``engine="views"`` where the backend allows it (shm: each receiver's
 engine keeps the verified, read-only views into the shared slots, as an engine that runs from shared memory
 would; no private copy, so N receivers need no N x S), else is skipped and listed with its footprint. On the
 24 GiB machine, 4 GB x 4 receivers runs shm with views (12 GB: payload + 2 slots), and zmq / raw_zmq at
@@ -341,7 +341,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="shm engine modes: copy (param.copy_(view) into private tensors), views (run from the views)")
     p.add_argument("--bucket-mb", type=int, default=64, help="bucket size of the backends, MiB")
     p.add_argument("--mem-budget-gb", type=float, default=None,
-                   help="memory a case may use beyond the payload; default 80%% of MemAvailable at start")
+                   help="memory a case may use, payload included; default 80%% of MemAvailable at start")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON path (default benchmarks/results/weight_sync-DATE.json)")
     args = p.parse_args(argv)
@@ -372,14 +372,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{key}: memcpy {row['memcpy']['gb_per_s']['median']:.2f} GB/s", flush=True)
         for n in args.receivers:
             for path in ["raw_zmq", *args.backends]:
-                mode = "copy"
-                if footprint(path, nbytes, n, mode) > budget:
+                mode = "copy"  # the payload stays resident beside every case
+                if nbytes + footprint(path, nbytes, n, mode) > budget:
                     mode = "views" if path == "shm" else None
-                if mode is None or footprint(path, nbytes, n, mode) > budget:
-                    skipped.append({"size": key, "path": path, "receivers": n,
-                                    "footprint_gb": footprint(path, nbytes, n, "copy") / GB, "budget_gb": budget / GB})
-                    print(f"  {path} x{n}: skipped (needs {footprint(path, nbytes, n, 'copy') / GB:.1f} GB beyond the "
-                          f"payload, budget {budget / GB:.1f} GB)", flush=True)
+                if mode is None or nbytes + footprint(path, nbytes, n, mode) > budget:
+                    skipped.append({"size": key, "path": path, "receivers": n, "budget_gb": budget / GB,
+                                    "footprint_gb": (nbytes + footprint(path, nbytes, n, "copy")) / GB})
+                    need = (nbytes + footprint(path, nbytes, n, "copy")) / GB
+                    print(f"  {path} x{n}: skipped (needs {need:.1f} GB, budget {budget / GB:.1f} GB)", flush=True)
                     continue
                 modes = [mode, "views"] if path == "shm" and mode == "copy" and "views" in args.engines else [mode]
                 for m in modes:
