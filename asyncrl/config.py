@@ -12,7 +12,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-__all__ = ["EngineConfig", "FaultConfig", "GateConfig", "LoaderConfig", "RewardConfig", "TransportConfig", "WeightSyncConfig", "WorkerConfig", "from_dict", "to_dict"]
+__all__ = ["EngineConfig", "FaultConfig", "GateConfig", "LoaderConfig", "RewardConfig", "TransportConfig", "WeightSyncConfig", "WorkerConfig", "from_dict", "load_run_file", "to_dict"]
 
 C = TypeVar("C")
 
@@ -421,3 +421,26 @@ def from_dict(cls: type[C], data: dict[str, Any]) -> C:
         sub = next((t for t in (hints[name], *typing.get_args(hints[name])) if dataclasses.is_dataclass(t)), None)
         kwargs[name] = from_dict(sub, value) if sub is not None and isinstance(value, dict) else value
     return cls(**kwargs)
+
+
+def load_run_file(cls: type[C], path: str | None, overrides: list[str]) -> C:
+    """A YAML run file (or nothing) plus dotted ``key=value`` overrides (values parsed as YAML), as ``cls``.
+
+    Raises:
+        SystemExit: an override without ``=``, with the form to use.
+    """
+    from pathlib import Path
+
+    import yaml
+
+    tree: dict[str, Any] = yaml.safe_load(Path(path).read_text()) if path else {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise SystemExit(f"override {item!r} must be key=value, e.g. rollout.max_staleness=0")
+        node = tree
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = yaml.safe_load(raw)
+    return from_dict(cls, tree)

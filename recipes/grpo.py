@@ -41,16 +41,16 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-import yaml
 
 from asyncrl import LoaderConfig, RolloutLoader
 from asyncrl.checkpoint import SAVE_POINTS, Checkpointer
 from asyncrl.codec import dumps_json
-from asyncrl.config import RewardConfig, WeightSyncConfig, from_dict
+from asyncrl.config import RewardConfig, WeightSyncConfig, load_run_file
 from asyncrl.debug.detectors import DebugConfig, Debugger
 from asyncrl.debug.plot import plot
 from asyncrl.debug.rejection import replay_rejection, write_rejected_batch  # noqa: F401 (tests replay from here)
 from asyncrl.guard import GuardConfig, UpdateGuard
+from asyncrl.parallel import parallelize
 from asyncrl.policy_sync import PolicySync
 from asyncrl.lifeline import die_with_parent, end_run  # noqa: F401 (tests and benchmarks end runs with it)
 from asyncrl.logprobs import batch_sampling, token_logprobs
@@ -58,6 +58,7 @@ from asyncrl.losses import LossConfig, all_reduce_sum, compute_loss, mismatch_me
 from asyncrl.reference import ReferencePolicy
 from asyncrl.rewards import RewardSet, component_means
 from asyncrl.run_dir import RunDirLocked, continue_records, hold_run_dir, record_files
+from asyncrl.step_metrics import batch_stats, pipeline_counters
 from asyncrl.threads import trainer_threads
 from asyncrl.timeline import new_incarnation
 from asyncrl.weights import setup_weight_broadcaster
@@ -143,23 +144,7 @@ class RecipeConfig:
 
 def load_config(path: str | None, overrides: list[str]) -> RecipeConfig:
     """A YAML run file plus dotted ``key=value`` overrides (values parsed as YAML)."""
-    tree: dict[str, Any] = yaml.safe_load(Path(path).read_text()) if path else {}
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise SystemExit(f"override {item!r} must be key=value, e.g. rollout.max_staleness=0")
-        node = tree
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = yaml.safe_load(raw)
-    return from_dict(RecipeConfig, tree)
-
-
-MAX_LAG_BIN = 16
-"""``staleness_hist[i]`` counts the step's rollouts ``i`` versions behind the trainer (the last bin: i or more)."""
-WEIGHT_SYNC_KEYS = ("versions_published", "bytes_served", "full_bytes", "delta_bytes", "buckets_full", "buckets_delta")
-"""The broadcaster's counters each metrics record carries (bytes on the wire, full buckets and deltas)."""
+    return load_run_file(RecipeConfig, path, overrides)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -265,16 +250,7 @@ class GRPORecipe:
             self.peft_config = LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, target_modules=cfg.lora.target_modules)
             policy = get_peft_model(policy, self.peft_config)
         self.policy = policy.to(self.device)
-        if cfg.train.parallel == "fsdp2":
-            from torch.distributed.fsdp import fully_shard
-
-            for layer in self.policy.model.layers if not lora else self.policy.base_model.model.model.layers:
-                fully_shard(layer)
-            self.model = fully_shard(self.policy)
-        else:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            self.model = DDP(self.policy, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self.model = parallelize(self.policy, cfg.train.parallel, self.device)  # DDP replicas or FSDP2 shards
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         self.guard = UpdateGuard(self.model, self.optimizer, cfg.guard, grad_clip=cfg.train.grad_clip)
@@ -413,14 +389,6 @@ class GRPORecipe:
             for a in record["anomalies"]:
                 print(f"[rank {self.rank}] step {self.step}: anomaly {a['kind']}: {a['detail']}"
                       + (f" (batch dumped to {self.run_dir / a['dump']})" if a["dump"] else ""), file=sys.stderr)
-        stats = torch.tensor([float(rewards.nan_to_num().sum()), float(rewards.numel()), float(staleness.sum()),
-                              float(staleness.max()), float(batch["num_tokens"])], device=self.device)
-        summed = stats.clone()
-        dist.all_reduce(summed)
-        top = stats[3:4].clone()
-        dist.all_reduce(top, op=dist.ReduceOp.MAX)
-        lag_hist = torch.bincount(staleness.long().clamp(0, MAX_LAG_BIN), minlength=MAX_LAG_BIN + 1).to(self.device)
-        dist.all_reduce(lag_hist)
         return {
             "step": self.step,
             "policy_version": self.version,
@@ -429,11 +397,7 @@ class GRPORecipe:
             "loss": float(loss.detach()),
             "grad_norm": grad_norm,
             "update_ratio": ratio,
-            "reward_mean": float(summed[0] / summed[1]),
-            "staleness_mean": float(summed[2] / summed[1]),
-            "staleness_max": float(top[0]),
-            "staleness_hist": lag_hist.tolist(),
-            "tokens": float(summed[4]),
+            **batch_stats(rewards, staleness, batch["num_tokens"], self.device),  # over all ranks
             "weight_bytes": weight_bytes,
             "publish_s": publish_s,
             "train_s": time.perf_counter() - t0 - publish_s,
@@ -450,24 +414,9 @@ class GRPORecipe:
         self.consumed_file.flush()
         if self.metrics_file is not None:
             record["time"] = time.time()
-            record["pipeline"] = self._pipeline_stats()
+            record["pipeline"] = pipeline_counters(self.loader, self.broadcaster)
             self.metrics_file.write(dumps_json(record) + b"\n")
             self.metrics_file.flush()
-
-    def _pipeline_stats(self) -> dict[str, Any]:
-        """Cumulative counters of this rank's pool and what its workers report (busy time, output)."""
-        stats = self.loader.stats()
-        keep = ("busy_s", "uptime_s", "weight_apply_s", "rollouts_sent", "tokens_generated", "policy_version",
-                "weight_full_bytes", "weight_delta_bytes")
-        return {
-            "stale_dropped": stats["pool"].get("stale_dropped", 0),
-            "regenerated": stats["ledger"].get("regenerated", 0),
-            "rollouts_received": stats["pool"].get("rollouts_received", 0),
-            "bad_messages": stats["transport"].get("bad_messages", 0),
-            "workers": {w: {k: v[k] for k in keep if k in v} for w, v in stats["transport"].get("workers", {}).items()},
-            "weight_sync": {k: v for k, v in self.broadcaster.stats().items() if k in WEIGHT_SYNC_KEYS}
-            if self.broadcaster is not None else {},
-        }
 
     # -- checkpoint --------------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
