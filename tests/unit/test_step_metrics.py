@@ -31,3 +31,17 @@ def test_pipeline_counters_keep_the_logged_keys():
     assert got == {"stale_dropped": 2, "regenerated": 1, "rollouts_received": 9, "bad_messages": 0,
                    "workers": {"w0": {"busy_s": 1.5}}, "weight_sync": {"versions_published": 3}}
     assert pipeline_counters(FakeLoader(), None)["weight_sync"] == {}
+
+
+def test_decoder_layers_of_a_plain_and_a_peft_model(tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.parallel import decoder_layers
+    from workers.tiny_model import build_tiny_model
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m"))
+    layers = decoder_layers(model)
+    assert layers is model.model.layers and len(layers) == model.config.num_hidden_layers
+    peft = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    assert decoder_layers(peft) is layers
