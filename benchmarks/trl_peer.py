@@ -174,9 +174,9 @@ def table(summary: dict[str, dict[str, float]]) -> str:
     lines = ["| run | steady rollouts/s | end-to-end rollouts/s | first step (s) | steady x TRL | end-to-end x TRL |",
              "|---|---|---|---|---|---|"]
     for mode, s in summary.items():
-        ratio = (lambda k: f"{s[k] / trl[k]:.2f}x") if trl else (lambda k: "-")
+        ratios = [f"{s[k] / trl[k]:.2f}x" if trl else "-" for k in ("steady", "end_to_end")]
         lines.append(f"| {mode} | {s['steady']:.1f} | {s['end_to_end']:.1f} | {s['first_step_s']:.2f} | "
-                     f"{ratio('steady')} | {ratio('end_to_end')} |")
+                     f"{ratios[0]} | {ratios[1]} |")
     return "\n".join(lines)
 
 

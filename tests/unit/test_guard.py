@@ -125,7 +125,7 @@ def _ranks(rank: int, world: int, init: str, parallel: str, out: dict) -> None:
         opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
         guard = UpdateGuard(wrapped, opt, GuardConfig(max_update_ratio=0.5))
         verdicts = [guard.step(_loss(wrapped)).accepted]
-        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t
         before = [local(p.detach()).clone() for p in wrapped.parameters()]
         # a NaN loss on rank 1 only, whose gradients stay finite (a constant term): rank 0's loss and gradients
         # are finite, yet it must reject too
@@ -150,7 +150,7 @@ def test_every_rank_agrees_and_restores(tmp_path, parallel):
         mp.spawn(_ranks, args=(2, f"file://{tmp_path / 'store'}", parallel, out), nprocs=2, join=True)
         results = dict(out)
     for rank in (0, 1):
-        verdicts, reason, same, same2, ratio = results[rank]
+        verdicts, reason, same, same2, _ = results[rank]
         assert verdicts == [True, False, False], (rank, results)
         assert "non-finite" in reason and same and same2
     assert "(on another rank)" in results[0][1]
