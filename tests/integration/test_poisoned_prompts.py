@@ -1,4 +1,4 @@
-"""A prompt every worker fails on (``{"foo": 1}``: neither ``text`` nor ``prompt_ids``), with a real worker
+"""A prompt every worker fails on (``{"foo": 1}``: none of ``prompt_ids``, ``messages``, ``prompt``, ``text``), with a real worker
 process: the trainer's ``next()`` raises naming the prompt (raise mode) or the epoch ends without it, every
 other group consumed exactly once (skip mode); the worker's log stays bounded either way."""
 
@@ -55,7 +55,7 @@ def test_raise_mode_raises_in_next_naming_the_prompt(capfd):
     e = info.value
     assert (e.epoch, e.prompt_index, e.failures) == (0, POISONED, MAX_FAILURES)
     assert f"(epoch=0, index={POISONED})" in str(e) and f"{MAX_FAILURES} times" in str(e)
-    assert "'prompt_ids' or 'text'" in e.error and "'foo': 1" in str(e)
+    assert "an engine needs a prompt with" in e.error and "'foo': 1" in str(e)
     # bounded attempts: exactly max_prompt_failures leases of it came back FAILED, and no other prompt failed
     assert stats["transport"]["leases_failed"] == MAX_FAILURES
     assert stats["ledger"]["lease_failures"] == MAX_FAILURES
