@@ -28,11 +28,8 @@ record and anomalies) and ``report/index.html`` (``asyncrl report``).
 from __future__ import annotations
 
 import argparse
-import hashlib
-import tempfile
 import dataclasses
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -61,7 +58,7 @@ from asyncrl.run_dir import RunDirLocked, continue_records, hold_run_dir, record
 from asyncrl.step_metrics import batch_stats, pipeline_counters
 from asyncrl.threads import trainer_threads
 from asyncrl.timeline import new_incarnation
-from asyncrl.weights import setup_weight_broadcaster
+from asyncrl.weights.start import start_weight_sync
 from asyncrl.data import DataConfig, load_prompts, sft_batch
 from workers.tiny_model import build_tiny_model
 
@@ -270,29 +267,15 @@ class GRPORecipe:
             opt.step()
 
     def _start_weight_sync(self) -> None:
-        cfg = self.cfg
         # this start (or resume) of the run is a new incarnation: its weights and its pools' timeline say so,
         # so rollouts of a rolled-back incarnation's reused version numbers are never trained
         incarnation = [new_incarnation()]
         dist.broadcast_object_list(incarnation, src=0)
         self.incarnation = incarnation[0]
-        self.broadcaster = None
-        address = [None]
-        if self.rank == 0:
-            if cfg.weights.type == "zmq":
-                kw: dict[str, Any] = {"bind": cfg.weights.bind, "delta": cfg.weights.delta}
-                kw["security"] = cfg.rollout.transport  # the rollout channel's CURVE keys and allow-list (S)
-            elif cfg.weights.type in ("nccl", "cuda_ipc"):  # a control endpoint bound like zmq's; buckets on our device
-                kw = {"bind": cfg.weights.bind, "device": self.device}
-            else:  # one directory per run, so a killed run's weights are replaced, not leaked, by its resume
-                shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-                directory = shm / f"asyncrl-weights-{hashlib.sha1(str(self.run_dir.resolve()).encode()).hexdigest()[:12]}"
-                shutil.rmtree(directory, ignore_errors=True)
-                kw = {"directory": directory}
-            self.broadcaster = setup_weight_broadcaster(cfg.weights.type, bucket_bytes=cfg.weights.bucket_bytes, **kw)
-            address = [self.broadcaster.address]
-        dist.broadcast_object_list(address, src=0)
-        self.weights_address = address[0]
+        # rank 0's broadcaster (zmq: with the rollout channel's CURVE keys and allow-list); every rank its address
+        self.weight_sync = start_weight_sync(self.cfg.weights, run_dir=self.run_dir, device=self.device,
+                                             security=self.cfg.rollout.transport)
+        self.broadcaster, self.weights_address = self.weight_sync.broadcaster, self.weight_sync.address
 
     def _build_loader(self) -> None:
         cfg = self.cfg
@@ -437,10 +420,7 @@ class GRPORecipe:
         self.loader.close()
         if self.debugger is not None:
             self.debugger.close()
-        if self.broadcaster is not None:
-            self.broadcaster.close()
-            if self.cfg.weights.type == "shm":
-                shutil.rmtree(self.broadcaster.address, ignore_errors=True)
+        self.weight_sync.close()  # rank 0: the broadcaster (and the shm directory)
         self.consumed_file.close()
         if self.metrics_file is not None:
             self.metrics_file.close()
