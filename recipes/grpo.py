@@ -5,6 +5,7 @@
     torchrun --nproc-per-node 2 recipes/grpo.py --config recipes/configs/tiny_cpu.yaml rollout.max_staleness=0
     torchrun --nproc-per-node 1 recipes/grpo.py --config recipes/configs/tiny_cpu.yaml lora.rank=8 train.lr=0.01
 
+The run file's sections are ``asyncrl.recipe_config.RecipeConfig``'s (each component's own config class).
 One knob selects the regime: ``rollout.max_staleness`` = 0 (synchronous, on-policy), 1 (one-step
 off-policy), k (fully async). Per step, on every rank::
 
@@ -32,26 +33,26 @@ import dataclasses
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from asyncrl import LoaderConfig, RolloutLoader
-from asyncrl.checkpoint import SAVE_POINTS, Checkpointer
+from asyncrl import RolloutLoader
+from asyncrl.checkpoint import Checkpointer
 from asyncrl.codec import dumps_json
-from asyncrl.config import RewardConfig, WeightSyncConfig, load_run_file
-from asyncrl.debug.detectors import DebugConfig, Debugger
+from asyncrl.data import load_prompts, sft_batch
+from asyncrl.debug.detectors import Debugger
 from asyncrl.debug.plot import plot
 from asyncrl.debug.rejection import replay_rejection, write_rejected_batch  # noqa: F401 (tests replay from here)
-from asyncrl.guard import GuardConfig, UpdateGuard
-from asyncrl.parallel import parallelize
-from asyncrl.policy_sync import PolicySync
+from asyncrl.guard import UpdateGuard
 from asyncrl.lifeline import die_with_parent, end_run  # noqa: F401 (tests and benchmarks end runs with it)
 from asyncrl.logprobs import batch_sampling, token_logprobs
-from asyncrl.losses import LossConfig, all_reduce_sum, compute_loss, mismatch_metrics
+from asyncrl.losses import all_reduce_sum, compute_loss, mismatch_metrics
+from asyncrl.parallel import parallelize
+from asyncrl.policy_sync import PolicySync
+from asyncrl.recipe_config import RecipeConfig, load_config  # the run file's sections, one per component
 from asyncrl.reference import ReferencePolicy
 from asyncrl.rewards import RewardSet, component_means
 from asyncrl.run_dir import RunDirLocked, continue_records, hold_run_dir, record_files
@@ -59,90 +60,7 @@ from asyncrl.step_metrics import batch_stats, pipeline_counters
 from asyncrl.threads import trainer_threads
 from asyncrl.timeline import new_incarnation
 from asyncrl.weights.start import start_weight_sync
-from asyncrl.data import DataConfig, load_prompts, sft_batch
 from workers.tiny_model import build_tiny_model
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# config
-
-
-@dataclass(kw_only=True, slots=True)
-class ModelConfig:
-    path: str | None = None
-    """HF model directory; None builds the tiny embedded model into ``{run_dir}/model``."""
-    dtype: str = "float32"
-
-
-@dataclass(kw_only=True, slots=True)
-class TrainConfig:
-    steps: int = 100
-    """Optimizer steps (accepted or rejected) of the whole run, across epochs."""
-    lr: float = 1e-3
-    warmup_steps: int = 10
-    """Linear learning-rate warm-up (a function of the step alone, so resume needs no scheduler state)."""
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    sft_steps: int = 0
-    """Supervised warm-start steps on the task's answers before RL (fresh runs only)."""
-    sft_lr: float = 3e-3
-    sft_batch: int = 64
-    parallel: Literal["ddp", "fsdp2"] = "ddp"
-    seed: int = 0
-    threads: int | None = None
-    """torch intra-op threads per rank; None: the cores left after the local workers, per local rank
-    (asyncrl.threads: more threads than cores made a 2-core trainer step 15x slower)."""
-    pause_after_step: int | None = None
-    """Fault injection for tests: every rank sleeps after logging this step (to be killed mid-run)."""
-    pause_in_save_at_step: int | None = None
-    """Fault injection for tests: rank 0 sleeps inside the save of this step, after ``pause_in_save_point``
-    (the other ranks wait at the save's last barrier), to be killed in the middle of a save."""
-    pause_in_save_point: str = "renamed"
-    """One of ``asyncrl.checkpoint.SAVE_POINTS``: "staged", "marked", "renamed" (the new step-N exists, latest
-    still names the previous one), "pointed", "pruned"."""
-
-    def __post_init__(self) -> None:
-        if self.pause_in_save_point not in SAVE_POINTS:
-            raise ValueError(f"train.pause_in_save_point={self.pause_in_save_point!r} must be one of {SAVE_POINTS}")
-
-
-@dataclass(kw_only=True, slots=True)
-class LoraSettings:
-    rank: int = 0
-    """> 0 trains a LoRA adapter only and syncs only the adapter to workers."""
-    alpha: int = 16
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-
-
-@dataclass(kw_only=True, slots=True)
-class CheckpointConfig:
-    every: int = 20
-    """Save every this many steps (and at the end); 0 = only at the end."""
-    keep: int = 2
-    """Complete checkpoints kept (besides whatever ``latest`` names, never deleted); 0 keeps all."""
-
-
-@dataclass(kw_only=True, slots=True)
-class RecipeConfig:
-    run_dir: str = "runs/grpo"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
-    reward: RewardConfig | None = None
-    """``reward.funcs`` / ``reward.weights`` (asyncrl.rewards); None: ``rollout.worker.reward``."""
-    guard: GuardConfig = field(default_factory=GuardConfig)
-    lora: LoraSettings = field(default_factory=LoraSettings)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    weights: WeightSyncConfig = field(default_factory=lambda: WeightSyncConfig(type="shm"))
-    rollout: LoaderConfig = field(default_factory=LoaderConfig)
-    debug: DebugConfig = field(default_factory=DebugConfig)
-
-
-def load_config(path: str | None, overrides: list[str]) -> RecipeConfig:
-    """A YAML run file plus dotted ``key=value`` overrides (values parsed as YAML)."""
-    return load_run_file(RecipeConfig, path, overrides)
-
 
 # ----------------------------------------------------------------------------------------------------------------------
 # the recipe
@@ -335,7 +253,7 @@ class GRPORecipe:
         staleness = (self.version - batch["policy_versions"]).float()  # at consumption, before this update
         if cfg.guard.inject_nan_at_step == self.step:
             rewards = torch.full_like(rewards, float("nan"))
-        dev = lambda t: t.to(self.device)  # noqa: E731
+        dev = lambda t: t.to(self.device)
         ids, attn, mask = dev(batch["input_ids"]), dev(batch["attention_mask"]), dev(batch["loss_mask"])
         engine = cfg.rollout.worker.engine  # the batch says what its rollouts were sampled with; it must be this
         sampling = batch_sampling(batch, expected={"temperature": engine.temperature, "top_k": engine.top_k,
