@@ -146,6 +146,15 @@ class RolloutLoader(Loader[TrainBatch]):
         super().__init__(node, restart_on_stop_iteration=True)
         self._finalizer = weakref.finalize(self, _close, self.receiver, self.launcher)
 
+    @staticmethod
+    def prestart_workers(config: LoaderConfig) -> list[int]:
+        """Starts this rank's ``config.num_workers`` local worker interpreters now, before the loader exists: their
+        imports overlap the trainer's start-up, and the loader's launcher hands them their command lines
+        (:mod:`workers.prestart`). Returns their pids (none with remote workers)."""
+        from workers.prestart import prestart_workers
+
+        return prestart_workers(config.num_workers, engine=config.worker.engine.type)
+
     def _recording(self, collate_fn: Callable[[list[Group]], Any]) -> Callable[[list[Group]], Any]:
         def collate(groups: list[Group]) -> Any:  # runs in the trainer thread, right before the batch is yielded
             if groups:

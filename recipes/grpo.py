@@ -360,6 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cfg = load_config(args.config, args.overrides)
+    RolloutLoader.prestart_workers(cfg.rollout)  # the local workers' imports overlap this rank's whole set-up
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     torch.set_num_threads(cfg.train.threads or trainer_threads(local_ranks, local_ranks * cfg.rollout.num_workers))
     recipe = GRPORecipe(cfg, resume=args.resume)

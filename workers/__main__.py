@@ -2,6 +2,8 @@
 
 The parent's lifeline is armed before anything else is imported: a worker whose launcher dies while it
 is still importing torch or loading its engine exits within a fraction of a second (asyncrl.lifeline).
+With ``--await-argv`` the process was prestarted (workers.prestart): it imports first and reads its command line
+from stdin.
 """
 
 import sys
@@ -12,6 +14,13 @@ if __name__ == "__main__":
 
         die_with_parent(int(sys.argv[sys.argv.index("--parent-pid") + 1]), what="rollout worker")
 
+    argv = sys.argv[1:]
+    if "--await-argv" in argv:  # prestarted (workers.prestart): imports now, the command line once the pools exist
+        from workers.prestart import await_argv
+
+        argv = await_argv(argv)
+        if argv is None:  # never used: the trainer closed our stdin or exited
+            sys.exit(0)
     from asyncrl.cli import main
 
-    main(["worker", *sys.argv[1:]])
+    main(["worker", *argv])

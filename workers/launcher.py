@@ -12,6 +12,9 @@ doubled for each further death of a worker that ran less than ``backoff_max_s`` 
 stayed up that long resets the slot's backoff), at most ``max_restarts`` times per slot (None:
 always). Every death, delay and restart is logged and counted in :meth:`~LocalWorkerLauncher.stats`.
 
+Start-up: a worker's first start takes a process :func:`workers.prestart.prestart_workers` started earlier,
+if one is waiting with the same environment (its imports overlapped the trainer's start-up); restarts are cold.
+
 Devices: with ``worker.devices`` each slot gets its own (``--device``), and the worker process pins itself to
 it before its engine starts (:func:`pin_device`: ``CUDA_VISIBLE_DEVICES`` = those GPUs, the engine on the first).
 """
@@ -31,6 +34,7 @@ from typing import Any
 
 from asyncrl.codec import dumps_json
 from asyncrl.config import TransportConfig, WorkerConfig, to_dict
+from workers.prestart import take_prestarted, worker_env
 
 __all__ = ["LocalWorkerLauncher", "pin_device"]
 
@@ -84,7 +88,7 @@ class LocalWorkerLauncher:
         self.backoff_max_s = backoff_max_s
         self.clock = clock
         self.device_offset = device_offset
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+        self.env = worker_env(env)
         self.procs: list[subprocess.Popen | None] = [None] * num_workers
         self.restarts = [0] * num_workers
         """Restarts used per slot."""
@@ -116,8 +120,11 @@ class LocalWorkerLauncher:
 
     def _spawn(self, i: int) -> None:
         self._started_at[i] = self.clock()
-        self.procs[i] = subprocess.Popen(self._argv(i), env=self.env, stdin=subprocess.DEVNULL)
-        logger.info("started worker %s-%d (pid %d)", self.name, i, self.procs[i].pid)
+        argv = self._argv(i)
+        # a first start takes a prestarted interpreter (workers.prestart: its imports are done) if one waits
+        warm = take_prestarted(argv, self.env) if self.restarts[i] == 0 and self.deaths[i] == 0 else None
+        self.procs[i] = warm or subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL)
+        logger.info("started worker %s-%d (pid %d%s)", self.name, i, self.procs[i].pid, ", prestarted" if warm else "")
 
     @property
     def pids(self) -> list[int | None]:
