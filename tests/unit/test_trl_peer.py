@@ -26,3 +26,14 @@ def test_without_trl_it_says_why_and_exits_0(monkeypatch, capsys):
 def test_unknown_modes_are_refused():
     with pytest.raises(SystemExit):
         trl_peer.main(["--modes", "trl,fast"])
+
+
+def test_ratios_use_trl_at_its_better_thread_setting_per_rate():
+    from benchmarks.trl_peer import best_trl, table
+
+    summary = {"trl": {"steady": 20.0, "end_to_end": 30.0, "first_step_s": 9.0},
+               "trl1": {"steady": 200.0, "end_to_end": 25.0, "first_step_s": 10.0},
+               "sync": {"steady": 220.0, "end_to_end": 27.0, "first_step_s": 8.0}}
+    assert best_trl(summary) == {"steady": 200.0, "end_to_end": 30.0}
+    assert "| sync | 220.0 | 27.0 | 8.00 | 1.10x | 0.90x |" in table(summary)
+    assert best_trl({"sync": summary["sync"]}) is None
