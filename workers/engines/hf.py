@@ -90,6 +90,7 @@ class HFEngine(Engine):
         if eos is None and not config.stop_token_ids:
             raise ValueError(f"tokenizer of {config.model!r} has no eos token; set engine.stop_token_ids")
         self.stop_ids = list(dict.fromkeys(([eos] if eos is not None else []) + list(config.stop_token_ids)))
+        self._stop_tensor = torch.tensor(self.stop_ids)  # made once: _completion runs per row
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
         # With ignore_eos the blank config has no EOS either: generate fills unset values from it.
         self.model.generation_config = GenerationConfig(
@@ -191,7 +192,7 @@ class HFEngine(Engine):
         self, prompt_ids: torch.Tensor, new: torch.Tensor, logprobs: torch.Tensor, target: int | None = None
     ) -> Completion:
         """One row of ``generate``'s output: cut after the first stop token, or at ``target`` (``ignore_eos``)."""
-        stops = torch.isin(new, torch.tensor(self.stop_ids, dtype=new.dtype)).nonzero()
+        stops = torch.isin(new, self._stop_tensor.to(new.dtype)).nonzero()
         first_stop = int(stops[0, 0]) if stops.numel() else None
         if target is not None:
             length, finish = target, "length"
@@ -214,7 +215,8 @@ class HFEngine(Engine):
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def decode(self, ids: Any) -> str:
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else [int(i) for i in ids]  # not int() per 0-d tensor
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # -- weights ------------------------------------------------------------------------------------
 
