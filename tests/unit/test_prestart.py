@@ -105,3 +105,13 @@ def test_the_launcher_takes_the_prestarted_process_first_and_restarts_cold():
     assert lau.poll() == [(0, 0)]  # found dead and, with no backoff, restarted in the same call
     assert lau.restarts == [1] and lau.pids[0] not in (None, pid, prestart._prestarted[0][0].pid)
     lau.shutdown()
+
+
+def test_the_loader_prestarts_its_local_workers_only():
+    from asyncrl.config import EngineConfig, LoaderConfig
+    from datapipes.loader import RolloutLoader
+
+    assert RolloutLoader.prestart_workers(LoaderConfig(num_workers=0)) == []  # remote workers: nothing to start
+    config = LoaderConfig(num_workers=2, worker=WorkerConfig(engine=EngineConfig(type="fake")))
+    pids = RolloutLoader.prestart_workers(config)
+    assert len(pids) == 2 and [p.pid for p, _ in prestart._prestarted] == pids
