@@ -106,6 +106,7 @@ def test_a_parquet_of_text_prompts_trains_and_drops_over_long_ones(tmp_path, tin
     assert len(_metrics(run)) == 3
 
 
+@pytest.mark.extended
 def test_the_reasoning_gym_config_learns(tmp_path):
     # the whole config, in the reproducible regime (a function of the seed alone; the asynchronous default rose
     # 0.213 -> 0.362 in one run): reasoning-gym's own score_answer, first 15 steps against the last 45
@@ -118,6 +119,7 @@ def test_the_reasoning_gym_config_learns(tmp_path):
     assert len(rows) == 150 and last > first + 0.1, f"reward did not rise: {first:.3f} -> {last:.3f}"
 
 
+@pytest.mark.extended
 @pytest.mark.vllm
 @pytest.mark.parametrize("name, nproc", [("qwen_math_1gpu", 1), ("qwen_math_8gpu", 2)])
 def test_the_gpu_configs_run_on_cpu_with_the_tiny_chat_model(tmp_path, tiny_chat_model, name, nproc):

@@ -29,7 +29,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.extended)])
 def test_fsdp2_streamed_publish_equals_single_process_bit_for_bit(tmp_path, nproc):
     from safetensors.torch import load_file
 

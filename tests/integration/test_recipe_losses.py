@@ -15,6 +15,7 @@ from tests.integration.test_recipe import SMALL, _finish, _flatten, _metrics, _t
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
+@pytest.mark.extended
 def test_beta_trains_against_a_reference_model_and_logs_kl_and_reward_components(tmp_path):
     run = tmp_path / "run"
     overrides = ["checkpoint.every=0", *SMALL, "loss.beta=0.05", "loss.loss_type=dapo",

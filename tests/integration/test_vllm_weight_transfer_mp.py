@@ -18,7 +18,7 @@ from tests.engine_utils import PROMPTS, SAMPLING, TOL, load_model, max_logprob_d
 from workers.engines.base import GenerationRequest, build_engine
 from workers.tiny_model import build_tiny_model
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow, pytest.mark.extended]
 
 
 @pytest.fixture(scope="module")
