@@ -145,7 +145,11 @@ class AnomalyDetectors:
                     f"max |trainer - rollout logprob| = {worst:.3g} on {onp['n']} on-policy tokens "
                     f"(tolerance {self.config.logprob_tol:g}); p50 {abs(onp['q']['50']):.3g}")))
         diff = dist["logprob_diff"]
-        if "logprob_shift" in on and diff["n"]:
+        # Only batches with off-policy tokens feed and face the window: an all on-policy batch's diffs are the
+        # engine's numerics (exactly 0 where trainer and engine compute alike, log10 -> -12), which is
+        # logprob_mismatch's business; mixed into the window they made its median straddle -12 and the
+        # off-policy level, and every later off-policy batch of a healthy async run "shifted".
+        if "logprob_shift" in on and diff["n"] > onp["n"]:
             p99 = max(abs(diff["q"]["1"]), abs(diff["q"]["99"]))
             detail = self._shift("logprob_p99", math.log10(p99 + 1e-12), 0.25, "log10 p99 |trainer - rollout logprob|",
                                  up_only=True)  # an all on-policy batch in an async run is not a bug

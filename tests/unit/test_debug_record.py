@@ -96,6 +96,20 @@ def test_shift_detectors_keep_firing_on_a_persisting_fault():
         assert "reward_shift" in {a.kind for a in det.check(_record(batch, trainer))}
 
 
+def test_logprob_shift_ignores_exact_on_policy_batches_of_an_async_run():
+    # A healthy max_staleness=1 run: the first steps on-policy (the pipeline fills), later some batches fully
+    # on-policy with trainer == engine bit for bit (diff 0), the others one version behind (diff ~0.3). Before,
+    # the zeros filled the window, a firing batch is never added to it, and every off-policy batch fired
+    # (136 of 150 steps of make run).
+    det = AnomalyDetectors(DebugConfig(), max_staleness=1)
+    for step in range(1, 41):
+        on_policy = step <= 4 or step % 7 == 0
+        batch, trainer = _batch(shift=0.0 if on_policy else 0.3 + 0.01 * (step % 5), version=3)
+        assert [a.kind for a in det.check(_record(batch, trainer, version=3 if on_policy else 4, step=step))] == []
+    batch, trainer = _batch(shift=100.0, version=3)  # a real jump of the off-policy level still fires
+    assert "logprob_shift" in {a.kind for a in det.check(_record(batch, trainer, version=4, step=41))}
+
+
 def test_debugger_dumps_with_provenance_and_appends_anomaly_lines(tmp_path):
     dbg = Debugger(tmp_path, 0, DebugConfig(), max_staleness=0, context={"model_dir": "m", "sampling": {}})
     batch, trainer = _batch()
