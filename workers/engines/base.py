@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Completion", "Engine", "GenerationRequest", "build_engine", "prompt_token_ids"]
+__all__ = ["Completion", "Engine", "Finished", "GenerationRequest", "build_engine", "prompt_token_ids"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -47,6 +47,20 @@ class Completion:
     """Multi-turn episodes: the summed environment reward (used instead of the reward function)."""
     env_info: dict[str, float] = field(default_factory=dict)
     """Multi-turn episodes: the last step's ``info`` (logged as reward components)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Finished:
+    """A streamed request that left the engine (:meth:`Engine.poll`): done, failed or aborted."""
+
+    key: int
+    """The key it was submitted with (the worker uses the lease id)."""
+    completions: list[Completion] = field(default_factory=list)
+    """All ``n`` completions when it finished; empty when it failed or was aborted."""
+    error: Exception | None = None
+    """Why it failed (the worker reports the lease FAILED with this text)."""
+    aborted: bool = False
+    """Aborted by an in-flight weight update in ``abort`` mode: nothing of it is kept, the worker submits it again."""
 
 
 def prompt_token_ids(prompt: Any, tokenizer: Any | None = None) -> torch.Tensor:
@@ -85,9 +99,35 @@ class Engine(abc.ABC):
     """The trainer incarnation whose weights the engine holds (set by the worker when it applies an update,
     or from the pool's leases for engines that follow the pool's version); stamped on every rollout."""
 
+    streaming: bool = False
+    """True for engines that implement the streaming interface below (continuous batching: ``submit`` / ``poll``)."""
+
     @abc.abstractmethod
     def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
         """Completes each request ``request.n`` times; returns one list per request."""
+
+    # -- streaming (continuous batching); engines with ``streaming = True`` implement these ------------------
+
+    def submit(self, key: int, request: GenerationRequest) -> None:
+        """Admits one request (``request.n`` samples) into the running batch; returns at once. Its completions
+        come back from :meth:`poll` as one :class:`Finished` when all ``n`` samples are done."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream")
+
+    def poll(self, timeout: float) -> list[Finished]:
+        """Advances generation for up to ``timeout`` seconds (engines without their own scheduler thread decode in
+        this call) and returns every request that finished, failed or was aborted meanwhile; returns early once
+        at least one has. ``[]`` when nothing finished (or nothing is in flight)."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream")
+
+    def in_flight(self) -> int:
+        """Requests submitted and not yet returned by :meth:`poll`."""
+        return 0
+
+    def occupancy(self) -> dict[str, float]:
+        """Cumulative ``{"busy_seq_s": ..., "capacity_seq_s": ...}``: sequence-seconds spent decoding a live sequence
+        vs the engine's sequence capacity times the time it was asked to generate; their ratio is the engine
+        occupancy the benchmarks report. ``{}`` when the engine does not measure it."""
+        return {}
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` without special tokens (environments' observations)."""
@@ -101,7 +141,10 @@ class Engine(abc.ABC):
 
     def apply_weights(self, update: Any) -> None:
         """Loads a committed :class:`~asyncrl.weights.WeightUpdate` (full or LoRA); completions generated
-        afterwards carry ``update.version``. Called by the worker between generation batches.
+        afterwards carry ``update.version``. Called by the worker between generation batches; for a streaming
+        engine also while requests are in flight (an in-flight update): in ``keep`` mode their later tokens are
+        generated with the new weights and carry its version in ``Completion.version_spans``, in ``abort`` mode
+        they come back from :meth:`poll` as ``Finished(aborted=True)``.
 
         Raises:
             NotImplementedError: for engines without weights.
