@@ -57,6 +57,9 @@ class CheckContext:
     workdir: str = ""
     """A scratch directory for the stages' files (checkpoints, rollouts); removed after the run unless kept."""
     seed: int = 0
+    imports: list[str] = field(default_factory=list)
+    """Modules every process of the check imports first (the runner and each rank it launches): register a custom
+    architecture (``AutoModelForCausalLM.register``) or, in tests, inject a fault by monkeypatching the library."""
     faults: list[str] = field(default_factory=list)
     """Test-only fault injection by name (``qk_swap``, ``tied_not_updated``, ...): each stage that knows a name
     injects it; see ``tests/`` for the list. Empty in normal use."""
