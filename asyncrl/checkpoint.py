@@ -318,18 +318,13 @@ class Checkpointer:
             FileNotFoundError: ``path`` lacks this rank's files (a checkpoint of another world size).
         """
         import torch
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         path = Path(path)
         trainer_file = path / f"trainer-rank{self.rank}.pt"
         if not trainer_file.exists():
             raise FileNotFoundError(f"{path} has no {trainer_file.name}: it was saved by a run of another world "
                                     f"size (this one has {self.world_size} ranks); resume with the same number")
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        state = {MODEL: model_state, OPTIM: optim_state}
-        dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state[MODEL], optim_state_dict=state[OPTIM])
+        self.load_model(path)
         trainer = torch.load(trainer_file, weights_only=True)
         torch.set_rng_state(trainer["rng"])
         if "cuda_rng" in trainer and torch.cuda.is_available():
@@ -339,6 +334,17 @@ class Checkpointer:
         self.saved_step = trainer["step"]  # on disk already: a save of this same step is skipped
         return TrainerState(step=trainer["step"], policy_version=trainer["policy_version"], path=path,
                             extra=trainer.get("extra", {}))
+
+    def load_model(self, path: str | os.PathLike) -> None:
+        """Restores only the model and the optimizer (DCP: resharded to this run's ranks, any world size); what
+        :meth:`load` does first. ``asyncrl check``'s ``checkpoint`` stage loads a checkpoint of N ranks at M with it."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {MODEL: model_state, OPTIM: optim_state}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state[MODEL], optim_state_dict=state[OPTIM])
 
     def load_loader(self, path: str | os.PathLike, loader: Any = None) -> None:
         """Restores this rank's loader state from the checkpoint ``path`` (into ``loader``, or the attached one)."""

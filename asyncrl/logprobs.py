@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["batch_logprobs", "batch_sampling", "sampling_logprobs", "token_logprobs"]
+__all__ = ["batch_logprobs", "batch_sampling", "position_ids", "sampling_logprobs", "token_logprobs"]
 
 
 def _check_sampling(temperature: float, top_k: int, top_p: float) -> None:
@@ -66,6 +66,14 @@ def sampling_logprobs(
     return torch.log_softmax(scores, dim=-1).reshape(shape)
 
 
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The position of every token of a left- or right-padded ``[B, L]`` batch: real tokens count ``0, 1, ...``
+    from each row's first real token (as ``generate`` does for its left padding: the same RoPE phases on both
+    sides), padding gets 0. ``asyncrl check``'s ``loss`` stage holds this to the unpadded row."""
+    mask = attention_mask.long()
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -96,10 +104,8 @@ def token_logprobs(
     device = next(model.parameters()).device
     input_ids = input_ids.to(device=device, dtype=torch.long)
     mask = attention_mask.to(device=device, dtype=torch.long)
-    # Positions count real tokens only, as generate does for its left padding: same RoPE phases.
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.set_grad_enabled(grad):
-        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids).logits
+        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids(mask)).logits
         logp = sampling_logprobs(logits[:, :-1], temperature=temperature, top_k=top_k, top_p=top_p)
         picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
         picked = torch.where(mask[:, 1:].bool(), picked, torch.zeros_like(picked))
