@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -161,6 +162,11 @@ class EngineConfig:
     """``vllm``: no CUDA graphs (required on CPU; False on a GPU captures graphs: slower start-up, faster decoding)."""
     lora_rank: int = 0
     """> 0 enables LoRA adapters up to this rank (weights arrive in ``lora`` mode)."""
+    max_num_seqs: int | None = None
+    """Most sequences (samples) decoding at once in a streaming engine (continuous batching, ``worker.streaming``):
+    the rest wait in the engine's queue. ``vllm``: its own ``max_num_seqs`` (None: vLLM's default); fake engine:
+    the simulated concurrency limit (None: no limit). Also the width W of the engine's occupancy
+    (:meth:`workers.engines.base.Engine.occupancy`)."""
 
     def __post_init__(self):
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
@@ -173,6 +179,8 @@ class EngineConfig:
             raise ValueError(f"engine.dtype={self.dtype!r} must be one of float32, bfloat16, float16")
         if not 0 < self.gpu_memory_utilization <= 1 or self.tensor_parallel_size < 1:
             raise ValueError(f"need 0 < {self.gpu_memory_utilization=} <= 1 and {self.tensor_parallel_size=} >= 1")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError(f"engine.max_num_seqs={self.max_num_seqs} must be >= 1, or None for the engine's own limit")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"engine.kv_cache_bytes={self.kv_cache_bytes} must be > 0, or None to size the KV cache "
                              "by engine.gpu_memory_utilization")
@@ -276,8 +284,21 @@ class WorkerConfig:
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """Weight sync from the trainer."""
     interrupt_every_tokens: int = 0
-    """0: new weights are applied between generation batches (safe points). c > 0: generate in chunks of c
-    tokens and apply new weights between chunks (partial rollouts with per-token version spans)."""
+    """Static mode only: 0: new weights are applied between generation batches (safe points). c > 0: generate in
+    chunks of c tokens and apply new weights between chunks (partial rollouts by re-submission, with per-token
+    version spans). ``streaming`` replaces it: a streaming engine takes weight updates in flight."""
+    streaming: bool = False
+    """True: the streaming loop (:mod:`workers.streaming`): up to ``slots`` leases' requests decode in the engine
+    at once (continuous batching), a new lease is admitted as soon as one finishes, each group is rewarded and
+    sent the moment its own ``n`` samples are done, and weight updates are applied in flight (see
+    ``weights_in_flight``). Needs an engine that streams (``fake``; ``hf``/``vllm`` where they implement it).
+    False: the static loop (``max_batch`` leases per ``engine.generate`` call, each batch waits for its
+    longest row): the baseline, and what the reproducible-regime tests use."""
+    weights_in_flight: Literal["keep", "abort"] = "keep"
+    """Streaming mode: what an update staged while requests are in flight does to them. ``keep``: they continue
+    under the new weights (their later tokens carry the new version in ``version_spans``; a rollout's
+    ``policy_version`` stays its oldest token's). ``abort``: they are aborted, nothing of them is kept, and
+    their leases are submitted again once, wholly under the new weights (counted ``groups_resubmitted``)."""
     slots: int = 8
     """Leases (credits) the worker holds per pool at once: generation never runs ahead of these. Twice
     ``max_batch`` lets the next batch's leases arrive while this one generates."""
@@ -305,6 +326,14 @@ class WorkerConfig:
                                  f"{self.engine.tensor_parallel_size}: give each vLLM worker as many GPUs as it spans")
         if self.interrupt_every_tokens < 0:
             raise ValueError(f"{self.interrupt_every_tokens=} must be >= 0")
+        if self.weights_in_flight not in ("keep", "abort"):
+            raise ValueError(f"worker.weights_in_flight={self.weights_in_flight!r} must be 'keep' or 'abort'")
+        if self.streaming and self.environment:
+            raise ValueError("worker.streaming does not combine with worker.environment (multi-turn episodes run "
+                             "turn by turn in the static loop)")
+        if self.streaming and self.interrupt_every_tokens:
+            raise ValueError(f"worker.streaming replaces worker.interrupt_every_tokens={self.interrupt_every_tokens}: "
+                             "a streaming engine applies weights in flight; set it to 0")
         if self.interrupt_every_tokens and self.environment:
             raise ValueError("worker.interrupt_every_tokens does not combine with worker.environment (multi-turn); "
                              "multi-turn episodes already apply weights between turns' batches")
@@ -406,10 +435,37 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def from_dict(cls: type[C], data: dict[str, Any]) -> C:
-    """Builds a config dataclass from a nested dict, rejecting unknown keys.
+_FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
-    Nested dataclass fields (``X`` or ``X | None``) are built from nested dicts, recursively.
+
+def _scalar(key: str, hint: Any, value: Any) -> Any:
+    """``value`` for a field typed ``hint`` (``float``, ``int``, ``bool``, or one of them ``| None``): YAML 1.1 reads
+    ``1e-4`` (no dot) as a string and ``3`` as an int, so a float field takes both as floats; anything else of the
+    wrong scalar type is refused with the key's name. Other hints pass the value through unchanged."""
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else ()
+    if value is None and type(None) in args:
+        return None
+    scalars = [t for t in (hint, *args) if t in (float, int, bool)]
+    if len(scalars) != 1 or (args and set(args) - {scalars[0], type(None)}):
+        return value  # str, Literal, lists, unions of several kinds: the dataclass checks them
+    kind = scalars[0]
+    if kind is float and isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+        return float(value)
+    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if kind is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if kind is bool and isinstance(value, bool):
+        return value
+    raise ValueError(f"{key} must be {kind.__name__}, got {value!r} ({type(value).__name__})")
+
+
+def from_dict(cls: type[C], data: dict[str, Any], _path: str = "") -> C:
+    """Builds a config dataclass from a nested dict, rejecting unknown keys and scalars of the wrong type.
+
+    Nested dataclass fields (``X`` or ``X | None``) are built from nested dicts, recursively. A ``float`` field
+    accepts ints and numeric strings (YAML reads ``lr: 1e-4`` as a string); an ``int`` or ``bool`` field given
+    anything else raises ``ValueError`` naming the dotted key.
     """
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
@@ -419,7 +475,10 @@ def from_dict(cls: type[C], data: dict[str, Any]) -> C:
     kwargs = {}
     for name, value in data.items():
         sub = next((t for t in (hints[name], *typing.get_args(hints[name])) if dataclasses.is_dataclass(t)), None)
-        kwargs[name] = from_dict(sub, value) if sub is not None and isinstance(value, dict) else value
+        if sub is not None and isinstance(value, dict):
+            kwargs[name] = from_dict(sub, value, f"{_path}{name}.")
+        else:
+            kwargs[name] = _scalar(f"{_path}{name}", hints[name], value)
     return cls(**kwargs)
 
 

@@ -348,3 +348,19 @@ def test_from_dict_rejects_unknown_keys():
 def test_from_dict_nested_validation_applies():
     with pytest.raises(ValueError, match="bind"):
         from_dict(LoaderConfig, {"transport": {"bind": "foo://x"}})
+
+
+def test_from_dict_types_scalars_by_field():
+    """YAML 1.1 reads ``1e-4`` (no dot) as a string: a float field takes it, and ints, as floats; a scalar of
+    the wrong kind is refused with its dotted key instead of failing later inside the trainer."""
+    cfg = from_dict(LoaderConfig, {"transport": {"heartbeat_s": "5e-1", "peer_timeout_s": 3}})
+    assert cfg.transport.heartbeat_s == 0.5 and isinstance(cfg.transport.peer_timeout_s, float)
+    assert from_dict(LoaderConfig, {"max_staleness": None}).max_staleness is None
+    with pytest.raises(ValueError, match=r"worker\.slots must be int, got 'two'"):
+        from_dict(LoaderConfig, {"worker": {"slots": "two"}})
+    with pytest.raises(ValueError, match=r"capacity must be int, got 2\.5"):
+        from_dict(LoaderConfig, {"capacity": 2.5})
+    with pytest.raises(ValueError, match=r"transport\.heartbeat_s must be float, got 'fast'"):
+        from_dict(LoaderConfig, {"transport": {"heartbeat_s": "fast"}})
+    with pytest.raises(ValueError, match=r"worker\.engine\.ignore_eos must be bool"):
+        from_dict(LoaderConfig, {"worker": {"engine": {"ignore_eos": "yes please"}}})
