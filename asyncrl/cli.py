@@ -10,6 +10,8 @@ The debugger's commands (``asyncrl <command> --help`` for each):
 - ``asyncrl replay DUMP --checkpoint CKPT``: recompute a dumped batch token by token (asyncrl.debug.replay).
 - ``asyncrl align --model DIR [--engine hf|vllm]``: rollout vs trainer logprobs gate (asyncrl.debug.align).
 - ``asyncrl report RUN_DIR``: a self-contained HTML report of a run (asyncrl.debug.report).
+- ``asyncrl check --model DIR [--engine hf|vllm]``: every link from a model directory to RL training, verified
+  stage by stage (asyncrl.check.runner).
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ _TOOLS = {
     "replay": ("asyncrl.debug.replay", "recompute a dumped batch and say token by token where rollout and trainer disagree"),
     "align": ("asyncrl.debug.align", "rollout-side vs trainer-side logprobs on the same tokens; non-zero exit above a threshold"),
     "report": ("asyncrl.debug.report", "write a self-contained HTML report (and PNGs) of a run directory"),
+    "check": ("asyncrl.check.runner", "verify a model directory stage by stage for RL: structure, split, checkpoint, "
+              "weight sync, logprobs, loss; non-zero exit on any failure"),
 }
 
 

@@ -60,6 +60,22 @@ class CheckContext:
     imports: list[str] = field(default_factory=list)
     """Modules every process of the check imports first (the runner and each rank it launches): register a custom
     architecture (``AutoModelForCausalLM.register``) or, in tests, inject a fault by monkeypatching the library."""
+    engine_class: str | None = None
+    """``--engine module:Class``: an :class:`~workers.engines.base.Engine` subclass of the HF or vLLM engine built in
+    place of ``engine`` (``engine`` is then its kind, ``hf`` or ``vllm``); e.g. a fault engine of the tests."""
+    temperature: float = 1.0
+    """The generation sampling settings the logprobs stage checks under (the run's ``engine`` section)."""
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    prompts: int = 4
+    """Prompts generated from per check (arithmetic prompts, or chat turns with ``chat_template``)."""
+    samples: int = 2
+    """Responses per prompt."""
+    topk_logprobs: int = 8
+    """Tokens of the engine's processed distribution compared per position (``SamplingParams(logprobs=K)``)."""
+    keep_workdir: bool = False
+    """Keep ``workdir`` after the run (its checkpoints and rollouts, to look at a failure)."""
     faults: list[str] = field(default_factory=list)
     """Test-only fault injection by name (``qk_swap``, ``tied_not_updated``, ...): each stage that knows a name
     injects it; see ``tests/`` for the list. Empty in normal use."""

@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["compare", "load_policy", "main"]
+__all__ = ["compare", "groups_from_completions", "load_policy", "main", "token_context"]
 
 CHECKPOINT_MODEL = "model"
 """The model section of the recipe's DCP checkpoints (``GRPORecipe.CHECKPOINT_MODEL``)."""
@@ -156,7 +156,6 @@ def _weight_update(model: torch.nn.Module) -> Any:
 def _generate(args: argparse.Namespace, prompts: list[Any], tokenizer: Any, model: torch.nn.Module) -> list[Any]:
     """Rank 0: K samples per prompt from the engine, loaded with the engine checkpoint, as groups."""
     from asyncrl.config import EngineConfig
-    from asyncrl.rollout import Group, Rollout
     from workers.engines.base import GenerationRequest, build_engine, prompt_token_ids
 
     ckpt = args.checkpoint if args.engine_checkpoint is None else args.engine_checkpoint
@@ -176,9 +175,17 @@ def _generate(args: argparse.Namespace, prompts: list[Any], tokenizer: Any, mode
         completions = engine.generate(requests)
     finally:
         engine.close()
+    return groups_from_completions(completions, worker_id=f"align-{args.engine}")
+
+
+def groups_from_completions(completions: list[list[Any]], *, worker_id: str) -> list[Any]:
+    """An engine's ``generate`` output (one list of completions per request, request ``i`` = prompt ``i``) as the
+    :class:`~asyncrl.rollout.Group` s a worker would send (``asyncrl check``'s logprobs stage shares it)."""
+    from asyncrl.rollout import Group, Rollout
+
     return [
         Group(epoch=0, prompt_index=i, rollouts=[
-            Rollout(epoch=0, prompt_index=i, sample_index=s, worker_id=f"align-{args.engine}",
+            Rollout(epoch=0, prompt_index=i, sample_index=s, worker_id=worker_id,
                     policy_version=c.policy_version, version_spans=c.version_spans, prompt_ids=c.prompt_ids,
                     response_ids=c.response_ids, logprobs=c.logprobs, loss_mask=c.loss_mask,
                     finish_reason=c.finish_reason)
@@ -276,7 +283,7 @@ def compare(model: torch.nn.Module, groups: list[Any], *, temperature: float, to
     return metrics, top
 
 
-def _context(tokenizer: Any, ids: torch.Tensor, position: int, before: int = 24, after: int = 8) -> str:
+def token_context(tokenizer: Any, ids: torch.Tensor, position: int, before: int = 24, after: int = 8) -> str:
     """``...prefix[token]suffix`` around ``ids[position]``, special tokens shown."""
     def text(a: int, b: int) -> str:
         return tokenizer.decode(ids[max(a, 0) : b].tolist(), skip_special_tokens=False)
@@ -301,7 +308,7 @@ def _report(ranks: list[dict[str, Any]], groups: list[Any], tokenizer: Any, thre
         for w in r["worst"]:
             rollout = rows[w["row"]]
             ids = torch.cat([rollout.prompt_ids, rollout.response_ids])
-            w["uid"], w["context"] = rollout.uid, _context(tokenizer, ids, w["position"])
+            w["uid"], w["context"] = rollout.uid, token_context(tokenizer, ids, w["position"])
             print(f"  |d|={w['abs_diff']:.2e} trainer={w['trainer_logprob']:.4f} rollout={w['rollout_logprob']:.4f} "
                   f"{w['uid']} t={w['position']}: {w['context']!r}")
 

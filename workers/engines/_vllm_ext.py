@@ -23,7 +23,7 @@ from typing import Any
 
 from workers.engines import _vllm_transfer
 
-__all__ = ["AsyncrlWorkerExtension", "fused_slices"]
+__all__ = ["AsyncrlWorkerExtension", "engine_param", "fused_slices"]
 
 _vllm_transfer.register()  # a vLLM worker process imports this module (worker_extension_cls) before loading the model
 
@@ -38,6 +38,20 @@ def fused_slices(config: Any) -> dict[str, list[int]]:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return {"qkv_proj": [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim],
             "gate_up_proj": [config.intermediate_size, config.intermediate_size]}
+
+
+def engine_param(name: str, tied: bool) -> tuple[str, str | None, int | None]:
+    """Where vLLM holds the trainer's (HF) tensor ``name``: ``(module path, fused projection or None, shard index)``,
+    e.g. ``model.layers.0.self_attn.k_proj.weight`` -> ``("model.layers.0.self_attn.qkv_proj", "qkv_proj", 1)``;
+    with tied embeddings ``lm_head`` is ``model.embed_tokens``. The parameter's own name is ``name``'s last part."""
+    module_path, _, _ = name.rpartition(".")
+    parent, _, leaf = module_path.rpartition(".")
+    if leaf in _FUSED:
+        fused, index = _FUSED[leaf]
+        return f"{parent}.{fused}", fused, index
+    if tied and module_path == "lm_head":
+        return "model.embed_tokens", None, None
+    return module_path, None, None
 
 
 def _held_weight(module: Any, param_name: str) -> Any:
@@ -78,15 +92,8 @@ class AsyncrlWorkerExtension:
         out: dict[str, Any] = {}
         cache: dict[str, Any] = {}
         for name in names:
-            module_path, _, param_name = name.rpartition(".")
-            parent, _, leaf = module_path.rpartition(".")
-            if leaf in _FUSED:
-                fused, index = _FUSED[leaf]
-                module_path = f"{parent}.{fused}"
-            elif tied and module_path == "lm_head":
-                module_path, index = "model.embed_tokens", None
-            else:
-                index = None
+            param_name = name.rpartition(".")[2]
+            module_path, fused, index = engine_param(name, tied)
             key = f"{module_path}.{param_name}"
             if key not in cache:
                 try:
@@ -101,3 +108,24 @@ class AsyncrlWorkerExtension:
                 held = held[start : start + sizes[fused][index]]
             out[name] = [str(held.dtype).removeprefix("torch."), tensor_checksum(held)]
         return out
+
+    def asyncrl_param_specs(self) -> dict[str, Any]:
+        """The model runner's own parameters as the engine computes with them (packed CPU weights read back):
+        ``{"params": {vLLM name: [shape, dtype]}, "tied": [[names sharing storage]], "fused": True,
+        "fused_slices": fused_slices(config), "tie_word_embeddings": bool}`` (``asyncrl check``'s structure stage)."""
+        vllm_config = self.vllm_config  # type: ignore[attr-defined]
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        hf_config = vllm_config.model_config.hf_config
+        params, by_storage = {}, {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            module_path, _, param_name = name.rpartition(".")
+            held = _held_weight(model.get_submodule(module_path), param_name)
+            params[name] = [list(held.shape), str(held.dtype).removeprefix("torch.")]
+            by_storage.setdefault(p.data_ptr() if p.numel() else id(p), []).append(name)
+        tied = [names for names in by_storage.values() if len(names) > 1]
+        lm_head = getattr(model, "lm_head", None)
+        embed = model.get_submodule("model.embed_tokens") if hasattr(model, "model") else None
+        if lm_head is not None and lm_head is embed:  # vLLM ties by sharing the module: one parameter name
+            tied.append(["lm_head.weight", "model.embed_tokens.weight"])
+        return {"params": params, "tied": tied, "fused": True, "fused_slices": fused_slices(hf_config),
+                "tie_word_embeddings": bool(getattr(hf_config, "tie_word_embeddings", False))}
