@@ -1,5 +1,11 @@
 """The rollout worker process loop: [apply weights] → lease → generate → reward → send.
 
+Two loops, picked by ``worker.streaming``: this module's static one (below: ``max_batch`` leases per
+``engine.generate`` call, the batch waits for its longest row; the baseline), and the streaming one of
+:mod:`workers.streaming` (continuous batching: ``slots`` leases in the engine at once, each group sent the
+moment it is done, weight updates applied in flight). Both share this class's weights, rewards, failure
+reports and status.
+
 ::
 
     pools (one per trainer rank) ══ZeroMQ══► sender I/O thread ──leases──► main thread
@@ -27,6 +33,7 @@ failing, :mod:`asyncrl.poison`). Repeated warnings are throttled (:class:`asyncr
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -59,7 +66,10 @@ class RolloutWorker:
         engine: the generation backend.
         reward_fn: the reward functions (:class:`~asyncrl.rewards.RewardSet`), or one batched reward function.
         sender: the connected rollout channel.
-        max_batch: most leases per engine call.
+        max_batch: most leases per engine call (static loop).
+        streaming: serve through :class:`workers.streaming.StreamingLoop` (the engine must stream).
+        slots: streaming: most leases whose requests are in the engine at once (``worker.slots``).
+        weights_in_flight: streaming: ``keep`` or ``abort`` requests in flight when weights are applied.
         parent_pid: exit when this process is gone (set by the local launcher).
     """
 
@@ -78,6 +88,9 @@ class RolloutWorker:
         fault: FaultConfig | None = None,
         catch_up_s: float = 10.0,
         verifier: WeightVerifier | None = None,
+        streaming: bool = False,
+        slots: int = 8,
+        weights_in_flight: str = "keep",
     ):
         self.worker_id = worker_id
         self.engine = engine
@@ -108,8 +121,26 @@ class RolloutWorker:
         """Seconds spent generating and rewarding (the rest of ``uptime_s`` the worker waited for leases or weights)."""
         self.weight_apply_s = 0.0
         self.started = time.perf_counter()
+        self.streaming = streaming
+        """The streaming loop (:mod:`workers.streaming`, ``slots`` leases in the engine at once) instead of batches."""
+        self.slots = slots
+        self.groups_resubmitted = 0
+        """Streaming: groups submitted again (aborted by an in-flight update, or finished under another incarnation)."""
+        self.inflight_pauses: collections.deque[float] = collections.deque(maxlen=512)
+        """Seconds ``engine.apply_weights`` took while requests were in flight (the in-flight pause), newest last."""
+        self.inflight_updates = 0
+        if streaming:
+            from workers.streaming import StreamingLoop
+
+            engine.weights_in_flight = weights_in_flight
+            self._loop: StreamingLoop | None = StreamingLoop(self, slots)  # refuses an engine that does not stream
+        else:
+            self._loop = None
 
     def run(self) -> None:
+        if self._loop is not None:
+            self._loop.run()
+            return
         while not self.sender.done:
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
                 logger.warning("worker %s: parent %d is gone; exiting", self.worker_id, self.parent_pid)
@@ -134,6 +165,17 @@ class RolloutWorker:
             "leases_failed": self.lease_failures,
             "log_lines_suppressed": self._throttle.suppressed_total,
         }
+        occupancy = self.engine.occupancy()  # cumulative busy / capacity sequence-seconds (Engine.occupancy)
+        if occupancy:
+            status["busy_seq_s"] = round(occupancy["busy_seq_s"], 4)
+            status["capacity_seq_s"] = round(occupancy["capacity_seq_s"], 4)
+        if self.streaming:
+            status["groups_resubmitted"] = self.groups_resubmitted
+            status["inflight_updates"] = self.inflight_updates
+            if self.inflight_pauses:
+                pauses = sorted(self.inflight_pauses)
+                status["inflight_pause_p50_s"] = round(pauses[len(pauses) // 2], 5)
+                status["inflight_pause_p99_s"] = round(pauses[min(len(pauses) - 1, int(0.99 * len(pauses)))], 5)
         if self.weights is not None:
             weights = self.weights.stats()
             failures = weights.get("failures", 0)
@@ -160,6 +202,11 @@ class RolloutWorker:
             plan = self.verifier.before(update) if self.verifier is not None else None
             if faults.skips_weights(self.fault, update.version):  # injected fault: commit without loading
                 self.engine.policy_version = update.version
+            elif self.engine.streaming and self.engine.in_flight():  # an in-flight update: time the pause
+                t_apply = time.perf_counter()
+                self.engine.apply_weights(update)
+                self.inflight_pauses.append(time.perf_counter() - t_apply)
+                self.inflight_updates += 1
             else:
                 self.engine.apply_weights(update)
             self.engine.incarnation = update.incarnation
@@ -346,6 +393,9 @@ def run_worker(
         interrupt_every_tokens=config.interrupt_every_tokens,
         fault=config.fault,
         catch_up_s=config.weights.catch_up_s,
+        streaming=config.streaming,
+        slots=config.slots,
+        weights_in_flight=config.weights_in_flight,
         verifier=None if receiver is None or config.weights.verify == "off" else WeightVerifier(
             config.weights.verify, sample=config.weights.verify_sample, full_every=config.weights.verify_full_every),
     )
@@ -356,7 +406,8 @@ def run_worker(
                            "starting with the engine's own", worker_id, config.weights.wait_for_first_s)
         else:
             worker.apply_staged_weights(first)
-    sender = setup_rollout_sender(transport, endpoints, worker_id=worker_id, slots=config.slots, server_key=server_key)
+    sender = setup_rollout_sender(transport, endpoints, worker_id=worker_id, slots=config.slots, server_key=server_key,
+                                  streaming=config.streaming)
     worker.sender = sender
     sender.start()
     logger.info("worker %s: serving %s at policy version %d", worker_id, list(endpoints), engine.policy_version)

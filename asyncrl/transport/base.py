@@ -143,7 +143,9 @@ def setup_rollout_sender(
     worker_id: str,
     slots: int,
     server_key: str | None = None,
+    streaming: bool = False,
 ) -> RolloutSender:
     from asyncrl.transport.zmq_transport import ZmqRolloutSender
 
-    return ZmqRolloutSender(config, endpoints, worker_id=worker_id, slots=slots, server_key=server_key)
+    return ZmqRolloutSender(config, endpoints, worker_id=worker_id, slots=slots, server_key=server_key,
+                            streaming=streaming)

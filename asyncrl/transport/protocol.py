@@ -1,6 +1,7 @@
 """The rollout channel's wire protocol: message kinds and the checks on their bodies.
 
-Worker → pool: ``HELLO`` (register, with its credits), ``GROUP`` (one finished group for a lease),
+Worker → pool: ``HELLO`` (register, with its credits; optional ``streaming: true``: grant each free credit at
+once), ``GROUP`` (one finished group for a lease),
 ``FAILED`` (a lease it could not finish), ``HEARTBEAT``, ``BYE``.
 Pool → worker: ``WELCOME`` (handshake reply), ``LEASES`` (prompts to generate = credits granted),
 ``HEARTBEAT`` (carries the trainer's policy version), ``CANCEL`` (drop queued leases older than its

@@ -91,6 +91,8 @@ GREETED_PER_PEER = 4
 """Identities remembered for SHUTDOWN and late groups: at most this many times ``gate.max_peers``."""
 SHUTDOWN_ACK_S = 2.0
 """Longest a closing pool waits for its workers' BYE after SHUTDOWN (it reads the socket meanwhile)."""
+MAX_STATUS_KEYS = 24
+"""Most keys of a worker status (heartbeat) a pool keeps; a bigger status is ignored (the previous one stays)."""
 _MONITOR_EVENTS = {
     zmq.EVENT_ACCEPTED: "connections_accepted",
     zmq.EVENT_DISCONNECTED: "connections_dropped",
@@ -125,6 +127,8 @@ class _Peer:
     last_seen: float
     groups: int = 0
     status: dict[str, Any] | None = None
+    streaming: bool = False
+    """The worker streams (continuous batching): every free credit is granted at once, not topped up in halves."""
 
 
 class ZmqRolloutReceiver(RolloutReceiver):
@@ -397,7 +401,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
             self._send(sock, identity, P.RESYNC, {})
         elif kind == P.HEARTBEAT and isinstance(body.get("status"), dict):
             status = body["status"]
-            if len(status) <= 16 and all(isinstance(k, str) and isinstance(v, (int, float, str)) for k, v in status.items()):
+            if len(status) <= MAX_STATUS_KEYS and all(isinstance(k, str) and isinstance(v, (int, float, str)) for k, v in status.items()):
                 peer.status = {k: v[:200] if isinstance(v, str) else v for k, v in status.items()}
 
     def _hello(self, sock: zmq.Socket, identity: bytes, body: dict[str, Any], now: float) -> None:
@@ -426,7 +430,8 @@ class ZmqRolloutReceiver(RolloutReceiver):
             self._count("workers_joined")
             logger.info("rank %d: worker %s joined (pid %d on %s)", self.rank, worker_id, body["pid"], body["host"])
         with self._lock:
-            self._peers[identity] = _Peer(identity, worker_id, slots, body["pid"], body["host"][:128], now, now)
+            self._peers[identity] = _Peer(identity, worker_id, slots, body["pid"], body["host"][:128], now, now,
+                                          streaming=body.get("streaming") is True)
         self._send(
             sock,
             identity,
@@ -540,8 +545,9 @@ class ZmqRolloutReceiver(RolloutReceiver):
             if identity in self._unroutable:
                 continue
             free = peer.slots - held[peer.worker_id]
-            # top up in batches (half the credits at once) unless the worker is about to run dry
-            if free <= 0 or (held[peer.worker_id] > 0 and free < max(1, peer.slots // 2)):
+            # top up in batches (half the credits at once) unless the worker is about to run dry; a streaming
+            # worker refills a slot the moment a group leaves it, so it gets every free credit at once
+            if free <= 0 or (not peer.streaming and held[peer.worker_id] > 0 and free < max(1, peer.slots // 2)):
                 continue
             leases = self.pool.grant(peer.worker_id, free, now)
             if not leases:
@@ -577,6 +583,8 @@ class ZmqRolloutSender(RolloutSender):
         endpoints: the pools to serve, one per trainer rank.
         worker_id: unique name of this worker (the pool re-issues the leases of a reused id).
         slots: credits per pool: leases held at once.
+        streaming: the worker streams (``worker.streaming``): said in HELLO, the pool then grants each free credit
+            at once instead of topping up in halves.
         server_key: the pools' CURVE public key, when they use CURVE; this worker's own key pair comes from
             ``transport.curve_client_secret_key`` or ``transport.curve_client_key_file``.
     """
@@ -589,6 +597,7 @@ class ZmqRolloutSender(RolloutSender):
         worker_id: str,
         slots: int,
         server_key: str | None = None,
+        streaming: bool = False,
     ):
         if not endpoints:
             raise ValueError("a worker needs at least one pool endpoint to connect to")
@@ -597,6 +606,7 @@ class ZmqRolloutSender(RolloutSender):
         self.worker_id = worker_id
         self.slots = slots
         self.server_key = server_key
+        self.streaming = streaming
         secret = client_secret_key(config)
         # the pool's allow-list names this worker's public key; without a configured key, a throw-away pair
         self._client_keys: tuple[bytes, bytes] = (
@@ -727,6 +737,8 @@ class ZmqRolloutSender(RolloutSender):
             "host": pysocket.gethostname(),
             "protocol": P.PROTOCOL_VERSION,
         }
+        if self.streaming:
+            body["streaming"] = True
         self._send(d, P.HELLO, body)
 
     def _send(self, d: zmq.Socket, kind: str, body: dict[str, Any]) -> None:

@@ -102,6 +102,11 @@ class Engine(abc.ABC):
     streaming: bool = False
     """True for engines that implement the streaming interface below (continuous batching: ``submit`` / ``poll``)."""
 
+    weights_in_flight: str = "keep"
+    """What :meth:`apply_weights` does to requests in flight (``worker.weights_in_flight``, set by the worker before
+    its first ``submit``): ``keep`` (they continue under the new weights) or ``abort`` (they come back from
+    :meth:`poll` as ``Finished(aborted=True)``)."""
+
     @abc.abstractmethod
     def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
         """Completes each request ``request.n`` times; returns one list per request."""
@@ -124,9 +129,19 @@ class Engine(abc.ABC):
         return 0
 
     def occupancy(self) -> dict[str, float]:
-        """Cumulative ``{"busy_seq_s": ..., "capacity_seq_s": ...}``: sequence-seconds spent decoding a live sequence
-        vs the engine's sequence capacity times the time it was asked to generate; their ratio is the engine
-        occupancy the benchmarks report. ``{}`` when the engine does not measure it."""
+        """Cumulative ``{"busy_seq_s": ..., "capacity_seq_s": ...}`` since the engine was built; their ratio is the
+        engine occupancy the benchmarks report (busy slot-time over available slot-time), one definition for
+        every engine, static and streaming. A sequence is one sample.
+
+        * ``busy_seq_s``: over sequences, the seconds from the moment each started decoding (streaming: got a
+          running slot, not while queued; static: the ``generate`` call's start) to its own last token, less any
+          in-flight weight-update pause; an aborted or failed sequence counts the time it decoded.
+        * ``capacity_seq_s``: W x the seconds the engine had work (static: each ``generate`` call; streaming: any
+          sequence running or queued, a finished one not yet polled does not count), W = ``engine.max_num_seqs``
+          when set (a static call with more rows: its rows), otherwise the rows of the static call, or the most
+          sequences run at once so far when streaming.
+
+        ``{}`` when the engine does not measure it."""
         return {}
 
     def encode(self, text: str) -> list[int]:

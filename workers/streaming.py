@@ -1,0 +1,201 @@
+"""The streaming worker loop (``worker.streaming: true``): continuous batching, each group sent the moment it is done.
+
+::
+
+    pool ══LEASES══► sender I/O thread ──take_leases(free slots, no wait)──► main thread ──submit──► engine batch
+    pool ◄═GROUP/FAILED═ sender I/O thread ◄──send_group── reward ◄── poll(≤ POLL_S): the requests that finished
+    broadcaster ══► receiver I/O thread: stage + verify ──► main thread, between two polls:
+                    engine.apply_weights with requests in flight (keep: they continue under the new weights;
+                    abort: they come back aborted and are submitted again)
+
+The main thread blocks only in :meth:`~workers.engines.base.Engine.poll` (at most ``POLL_S``, less while a slot is
+free and a lease may arrive), in reward functions (:meth:`asyncrl.rewards.RewardSet.score` on the groups one poll
+finished, async ones concurrently), in ``engine.apply_weights`` (the in-flight pause, timed: status
+``inflight_pause_p50_s``/``_p99_s``) and, with nothing in flight and nothing to admit, in ``take_leases`` (0.5 s).
+It never waits for one request to finish another: up to ``worker.slots`` leases' requests are inside the engine
+at once; a slot freed by a finished group is refilled with the next lease at once (the pool grants a streaming
+worker every free credit, not in halves: ``streaming`` in HELLO).
+
+Version fencing is the engine's: every token carries the version of the weights that produced it
+(``Completion.version_spans``), a rollout's ``policy_version`` is its oldest token's, and the pool judges
+staleness from it as for the static loop. One timeline: a group whose request was submitted under another
+trainer incarnation than the engine holds when it finishes is not sent; it is submitted again (counted
+``groups_resubmitted``), as is every aborted one (each abort: one resubmission, never two copies in flight).
+A lease granted at a version or incarnation the engine does not hold waits, without holding up the requests in
+flight, until the receiver stages it or ``weights.catch_up_s`` passes, then is submitted. Failures stay per
+lease: ``Finished.error`` and a reward function's :class:`~asyncrl.rewards.RewardError` fail only their lease
+(FAILED with the text). Heartbeats are the sender's I/O thread's; SHUTDOWN from every pool, a dead parent or a
+lost pool end the loop like the static one's (what is in flight is dropped: the pool re-issues its leases).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from asyncrl.rewards import RewardError
+from asyncrl.transport import ReceivedLease
+from workers.engines.base import Completion, Finished, GenerationRequest
+
+if TYPE_CHECKING:
+    from workers.worker import RolloutWorker
+
+__all__ = ["POLL_S", "StreamingLoop"]
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.1
+"""Longest engine poll while every slot is taken (weights and SHUTDOWN are looked at between polls)."""
+ADMIT_POLL_S = 0.01
+"""Engine poll while a slot is free: a lease the pool grants meanwhile waits at most this long to be submitted."""
+REPORT_S = 0.25
+"""How often the worker status (heartbeats) is refreshed while streaming."""
+
+
+@dataclass(slots=True)
+class _InFlight:
+    lease: ReceivedLease
+    incarnation: str
+    """The trainer incarnation whose weights the engine held when the request was submitted."""
+    submitted: float
+
+
+class StreamingLoop:
+    """Serves a worker's leases through a streaming engine until SHUTDOWN (see the module docstring).
+
+    Args:
+        worker: the worker whose engine (``engine.streaming``), sender, weights, rewards and counters it uses.
+        slots: most leases whose requests are inside the engine at once (``worker.slots``).
+    """
+
+    def __init__(self, worker: RolloutWorker, slots: int):
+        if not worker.engine.streaming:
+            raise ValueError(f"worker.streaming needs an engine that streams; {type(worker.engine).__name__} does not "
+                             "(set worker.streaming: false)")
+        self.w = worker
+        self.slots = slots
+        self.in_flight: dict[int, _InFlight] = {}
+        self.waiting: list[tuple[ReceivedLease, float]] = []
+        """Leases waiting for weights of their version/incarnation (deadline: ``catch_up_s`` after arrival)."""
+        self._keys = itertools.count()
+        self._last_report = 0.0
+
+    def run(self) -> None:
+        w = self.w
+        while not w.sender.done:
+            if w.parent_pid is not None and os.getppid() != w.parent_pid:
+                logger.warning("worker %s: parent %d is gone; exiting with %d groups in flight", w.worker_id,
+                               w.parent_pid, len(self.in_flight))
+                return
+            busy = bool(self.in_flight)
+            t0 = time.perf_counter()
+            self._apply_staged()
+            free = self.slots - len(self.in_flight) - len(self.waiting)
+            idle = not self.in_flight and not self.waiting
+            leases = w.sender.take_leases(max(free, 0), timeout=0.5 if idle else 0.0)
+            for lease in leases:
+                self._admit(lease)
+            self._submit_waiting()
+            if self.in_flight and w.engine.in_flight():
+                self._finished(w.engine.poll(ADMIT_POLL_S if free > 0 else POLL_S))
+            elif self.waiting:
+                time.sleep(ADMIT_POLL_S)  # nothing decoding: only weights for a waiting lease can change things
+            if busy:
+                w.busy_s += time.perf_counter() - t0
+            if time.perf_counter() - self._last_report > REPORT_S:
+                self._last_report = time.perf_counter()
+                w._report()
+
+    # -- admission -------------------------------------------------------------------------------------------
+
+    def _needs_weights(self, lease: ReceivedLease) -> bool:
+        e = self.w.engine
+        return self.w.weights is not None and not e.follows_pool_version and (
+            lease.policy_version > e.policy_version
+            or bool(lease.incarnation and e.incarnation and lease.incarnation != e.incarnation))
+
+    def _admit(self, lease: ReceivedLease) -> None:
+        e = self.w.engine
+        if e.follows_pool_version:  # no weights: adopt the pool's version (in flight, like an update)
+            live = lease.incarnation
+            if lease.policy_version > e.policy_version or (live and live != e.incarnation):
+                e.set_policy_version(lease.policy_version)
+                e.incarnation = live
+        if self._needs_weights(lease):
+            self.waiting.append((lease, time.monotonic() + self.w.catch_up_s))
+        else:
+            self._submit(lease)
+
+    def _submit_waiting(self) -> None:
+        if not self.waiting:
+            return
+        now = time.monotonic()
+        still = []
+        for lease, deadline in self.waiting:
+            if self._needs_weights(lease) and now < deadline:
+                update = self.w.weights.wait(lease.policy_version, timeout=0.0, incarnation=lease.incarnation or None)
+                if update is not None:
+                    self.w.apply_staged_weights(update)
+            if self._needs_weights(lease) and now < deadline:
+                still.append((lease, deadline))
+            else:  # caught up, or waited catch_up_s: generate (the pool judges what arrives off its timeline)
+                self._submit(lease)
+        self.waiting = still
+
+    def _submit(self, lease: ReceivedLease) -> None:
+        key = next(self._keys)
+        request = GenerationRequest(epoch=lease.epoch, prompt_index=lease.prompt_index, prompt=lease.prompt,
+                                    n=lease.group_size)
+        self.in_flight[key] = _InFlight(lease, self.w.engine.incarnation, time.perf_counter())
+        try:
+            self.w.engine.submit(key, request)
+        except Exception as e:  # deliberate fault tolerance: this lease fails, the batch goes on
+            del self.in_flight[key]
+            self.w._lease_failed(lease, e)
+
+    def _apply_staged(self) -> None:
+        """Between two polls: the newest staged update, with requests in flight (the worker times the pause)."""
+        if self.w.weights is not None:
+            update = self.w.weights.poll()
+            if update is not None:
+                self.w.apply_staged_weights(update)
+
+    # -- completion ------------------------------------------------------------------------------------------
+
+    def _finished(self, finished: list[Finished]) -> None:
+        done: list[tuple[_InFlight, list[Completion]]] = []
+        for f in finished:
+            entry = self.in_flight.pop(f.key, None)
+            if entry is None:
+                logger.warning("worker %s: engine returned unknown request key %d", self.w.worker_id, f.key)
+                continue
+            if f.error is not None:
+                self.w._lease_failed(entry.lease, f.error)
+            elif f.aborted or entry.incarnation != self.w.engine.incarnation:
+                # aborted by an in-flight update, or generated (in part) under another trainer incarnation's
+                # weights: nothing of it is sent; the lease is generated again, once per abort
+                self.w.groups_resubmitted += 1
+                self._submit(entry.lease)
+            else:
+                done.append((entry, f.completions))
+        if done:
+            self._send(done)
+
+    def _send(self, done: list[tuple[_InFlight, list[Completion]]]) -> None:
+        w = self.w
+        t0 = time.perf_counter()
+        scores = w.rewards.score([(entry.lease.prompt, cs) for entry, cs in done], decode=w.engine.decode)
+        reward_s = (time.perf_counter() - t0) / len(done)
+        for (entry, completions), scored in zip(done, scores):
+            if isinstance(scored, RewardError):  # this group's reward failed: its lease alone
+                w._lease_failed(entry.lease, scored)
+                continue
+            group = w._group(entry.lease, completions, scored, t0 - entry.submitted, reward_s)
+            w.sender.send_group(entry.lease, group)
+            w.groups_sent += 1
+            w.rollouts_sent += len(group.rollouts)
+            w.tokens_generated += sum(int(r.response_ids.numel()) for r in group.rollouts)
