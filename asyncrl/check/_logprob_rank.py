@@ -1,0 +1,58 @@
+"""One trainer rank of the ``logprobs`` stage (private; launched by :func:`asyncrl.check._ranks.launch_ranks`).
+
+    every rank: init_process_group("gloo") → the policy (model dir [+ LoRA], then --state) → parallelize (ddp|fsdp2)
+                → asyncrl.debug.align.compare on the engine's rollouts (--groups) → OUT/rank-{r}.json
+    (FSDP2: every forward is a collective, so every rank compares every group, in the same order)
+
+Runs unchanged under ``torchrun --nproc-per-node N -m asyncrl.check._logprob_rank ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m asyncrl.check._logprob_rank")
+    for name in ("--model", "--dtype", "--parallel", "--state", "--groups", "--out"):
+        p.add_argument(name, required=True)
+    p.add_argument("--lora", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--worst", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from asyncrl.check import CheckContext
+    from asyncrl.check._chain import load_trainer_policy
+    from asyncrl.check.logprobs import token_metrics
+    from asyncrl.codec import dumps_json
+    from asyncrl.dump import read_dump
+    from asyncrl.parallel import parallelize
+    from asyncrl.rollout import Group
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    ctx = CheckContext(model=a.model, dtype=a.dtype, lora_rank=a.lora, seed=a.seed, temperature=a.temperature,
+                       top_k=a.top_k, top_p=a.top_p, worst=a.worst)
+    policy = load_trainer_policy(ctx)
+    policy.load_state_dict(load_file(a.state), strict=True)
+    model = parallelize(policy, a.parallel, torch.device("cpu")).eval()
+    _, body = read_dump(a.groups)
+    groups = [Group.from_wire(g) for g in body["groups"]]
+    metrics = token_metrics(model, groups, ctx)
+    Path(a.out, f"rank-{rank}.json").write_bytes(dumps_json(metrics))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
