@@ -3,6 +3,7 @@
 ``first``: consume part of the epoch with 3 local workers, SIGKILL one worker, checkpoint the
 loader, consume a little more (work the crash will lose), then SIGKILL this trainer process.
 ``resume``: a new process loads the checkpoint and consumes the rest of the epoch.
+``--streaming``: the workers run the streaming loop (the killed one dies with requests in its engine).
 Each phase records the group ids it consumed up to the point that counts.
 """
 
@@ -19,7 +20,7 @@ import torch
 from asyncrl import EngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
 
 
-def make_loader(num_prompts: int) -> RolloutLoader:
+def make_loader(num_prompts: int, streaming: bool = False) -> RolloutLoader:
     config = LoaderConfig(
         group_size=4,
         batch_size=8,
@@ -30,7 +31,8 @@ def make_loader(num_prompts: int) -> RolloutLoader:
         wait_timeout_s=120,
         poll_timeout_s=0.2,
         transport=TransportConfig(heartbeat_s=0.2, peer_timeout_s=2.0, handshake_timeout_s=60),
-        worker=WorkerConfig(slots=2, max_batch=2, engine=EngineConfig(max_new_tokens=24, seconds_per_token=0.002)),
+        worker=WorkerConfig(slots=2, max_batch=2, streaming=streaming,
+                            engine=EngineConfig(max_new_tokens=24, seconds_per_token=0.002)),
     )
     prompts = [{"prompt_ids": [i % 250 + 1, 7, 9]} for i in range(num_prompts)]
     return RolloutLoader(prompts, config)
@@ -44,7 +46,7 @@ def write_json(path: str, obj: object) -> None:
 
 
 def first(args: argparse.Namespace) -> None:
-    loader = make_loader(args.prompts)
+    loader = make_loader(args.prompts, args.streaming)
     write_json(os.path.join(args.dir, "worker_pids_first.json"), loader.launcher.pids)
     consumed: list[str] = []
     version = 0
@@ -69,7 +71,7 @@ def first(args: argparse.Namespace) -> None:
 
 def resume(args: argparse.Namespace) -> None:
     state = torch.load(os.path.join(args.dir, "ckpt.pt"), weights_only=True)
-    loader = make_loader(args.prompts)
+    loader = make_loader(args.prompts, args.streaming)
     write_json(os.path.join(args.dir, "worker_pids_resume.json"), loader.launcher.pids)
     loader.load_state_dict(state["loader"])
     version = state["policy_version"]
@@ -90,5 +92,6 @@ if __name__ == "__main__":
     p.add_argument("--dir", required=True)
     p.add_argument("--prompts", type=int, default=500)
     p.add_argument("--checkpoint-at", type=int, default=30)
+    p.add_argument("--streaming", action="store_true", help="streaming workers (worker.streaming)")
     a = p.parse_args()
     first(a) if a.phase == "first" else resume(a)

@@ -18,9 +18,10 @@ DRIVER = Path(__file__).with_name("_exactly_once_driver.py")
 NUM_PROMPTS = 500
 
 
-def _run(phase: str, tmp_path: Path, timeout: float) -> subprocess.CompletedProcess:
+def _run(phase: str, tmp_path: Path, timeout: float, streaming: bool = False) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(DRIVER), phase, "--dir", str(tmp_path), "--prompts", str(NUM_PROMPTS)],
+        [sys.executable, str(DRIVER), phase, "--dir", str(tmp_path), "--prompts", str(NUM_PROMPTS),
+         *(["--streaming"] if streaming else [])],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -40,11 +41,14 @@ def _end_leftovers(tmp_path: Path) -> None:
                         pass
 
 
-def test_worker_sigkill_and_trainer_resume_consume_every_group_once(tmp_path: Path):
+@pytest.mark.parametrize("streaming", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_worker_sigkill_and_trainer_resume_consume_every_group_once(tmp_path: Path, streaming: bool):
+    """Streaming: the worker killed at step 5 has its requests inside the engine (mid-batch); its leases are
+    re-issued like a static worker's."""
     try:
-        first = _run("first", tmp_path, timeout=240)
+        first = _run("first", tmp_path, timeout=240, streaming=streaming)
         assert first.returncode == -signal.SIGKILL, f"first phase should die by SIGKILL:\n{first.stderr[-3000:]}"
-        resumed = _run("resume", tmp_path, timeout=240)
+        resumed = _run("resume", tmp_path, timeout=240, streaming=streaming)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
     finally:
         _end_leftovers(tmp_path)

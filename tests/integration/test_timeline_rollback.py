@@ -49,7 +49,10 @@ def committed_version(weights_dir: Path) -> int | None:
         return None
 
 
-def test_resumed_trainer_never_trains_the_dead_timeline(tmp_path):
+@pytest.mark.parametrize("streaming", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_resumed_trainer_never_trains_the_dead_timeline(tmp_path, streaming):
+    """Streaming: the resumed incarnation's weights land while the worker's requests are in flight; groups of the
+    dead incarnation are not sent but generated again."""
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     args = ["--dir", str(tmp_path), "--port", str(port)]
@@ -62,6 +65,7 @@ def test_resumed_trainer_never_trains_the_dead_timeline(tmp_path):
             [sys.executable, "-m", "asyncrl.cli", "worker", "--connect", f"tcp://127.0.0.1:{port}",
              "--worker-id", "rollback-worker", "--set", "worker.weights.type=shm",
              "--set", f"worker.weights.address={weights_dir}", "--set", "worker.slots=4", "--set", "worker.max_batch=2",
+             "--set", f"worker.streaming={'true' if streaming else 'false'}",
              "--set", "worker.engine.max_new_tokens=6", "--set", "transport.peer_timeout_s=60",
              "--set", "transport.heartbeat_s=0.2"],
             cwd=ROOT, env=env)
