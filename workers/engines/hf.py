@@ -18,18 +18,24 @@ of ``engine.length_tail`` (see :func:`length_targets`) or, with ``length_tail = 
 The batch is generated to its longest target and each row is cut to its own (finish reason
 ``length``); the sampling distribution, and so the per-token logprobs, are exactly those of a normal
 call. ``Completion.text`` is the text up to the first stop token, so rewards still score the answer.
+
+Streaming (``worker.streaming``): :meth:`HFEngine.submit` / :meth:`HFEngine.poll` run the engine-side continuous
+batching of :mod:`workers.engines.hf_stream` (up to ``engine.max_num_seqs`` rows decoding at once, a request
+returned the moment its ``n`` samples are done, weight updates applied in flight: ``keep`` re-prefills the running
+rows under the new weights, ``abort`` returns their requests aborted). ``generate`` stays the static path.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import numpy as np
 import torch
 
 from asyncrl.config import EngineConfig
-from workers.engines.base import Completion, Engine, GenerationRequest, prompt_token_ids
+from workers.engines.base import Completion, Engine, Finished, GenerationRequest, prompt_token_ids
 
 __all__ = ["HFEngine", "length_targets"]
 
@@ -74,6 +80,8 @@ def length_targets(config: EngineConfig, request: GenerationRequest, limit: int)
 
 
 class HFEngine(Engine):
+    streaming = True
+
     def __init__(self, config: EngineConfig):
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -103,6 +111,10 @@ class HFEngine(Engine):
         self._calls = 0
         self._lora_config: dict[str, Any] | None = None
         """The normalised ``LoraConfig.to_dict()`` the model is wrapped with; None = no adapter."""
+        self._stream = None
+        """The streaming scheduler (:mod:`workers.engines.hf_stream`), made by the first ``submit``."""
+        self._static_busy_s = 0.0
+        self._static_capacity_s = 0.0
 
     # -- generation ---------------------------------------------------------------------------------
 
@@ -149,8 +161,14 @@ class HFEngine(Engine):
             limit = max(targets)
         else:
             targets = [None] * len(rows)
+        t0 = time.perf_counter()
         seqs, scores = self._sample(input_ids.to(self.device), attention_mask.to(self.device), limit, seed)
+        call_s = time.perf_counter() - t0
         completions = [self._completion(p, seqs[i, width:], scores[i], targets[i]) for i, p in enumerate(rows)]
+        # Occupancy: a row is busy until its own last token, taken as its share of the call's decode steps.
+        steps = max(scores.shape[1], 1)
+        self._static_busy_s += call_s * sum(c.response_ids.numel() for c in completions) / steps
+        self._static_capacity_s += call_s * max(len(rows), self.config.max_num_seqs or 0)
         out, start = [], 0
         for r in requests:
             out.append(completions[start : start + r.n])
@@ -211,6 +229,33 @@ class HFEngine(Engine):
             text=self.decode(response[:text_end]),
         )
 
+    # -- streaming --------------------------------------------------------------------------------------
+
+    def submit(self, key: int, request: GenerationRequest) -> None:
+        """Queues ``request.n`` samples for the running batch (decoded in :meth:`poll`).
+
+        Raises:
+            ValueError: an empty or unrenderable prompt, ``n < 1`` or a key already in flight.
+        """
+        if self._stream is None:
+            from workers.engines.hf_stream import StreamScheduler
+
+            self._stream = StreamScheduler(self)
+        self._stream.submit(key, request)
+
+    def poll(self, timeout: float) -> list[Finished]:
+        return self._stream.poll(timeout) if self._stream is not None else []
+
+    def in_flight(self) -> int:
+        return self._stream.in_flight() if self._stream is not None else 0
+
+    def occupancy(self) -> dict[str, float]:
+        out = {"busy_seq_s": self._static_busy_s, "capacity_seq_s": self._static_capacity_s}
+        if self._stream is not None:
+            for k, v in self._stream.occupancy().items():
+                out[k] += v
+        return out
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
@@ -239,6 +284,8 @@ class HFEngine(Engine):
         else:
             raise ValueError(f"unknown weight update mode {update.mode!r}; expected 'full' or 'lora'")
         self.policy_version = update.version
+        if self._stream is not None:  # in flight: keep re-prefills the running rows, abort returns them aborted
+            self._stream.weights_changed(update.version, getattr(self, "weights_in_flight", "keep"))
 
     def weight_checksums(self, mode: str, names: list[str]) -> dict[str, tuple[str, int] | None]:
         """``(dtype, checksum)`` of the module's own tensors: its state dict (``full``) or its peft adapter's state
