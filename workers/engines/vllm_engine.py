@@ -34,19 +34,24 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from asyncrl.config import EngineConfig
-from workers.engines.base import Completion, Engine, GenerationRequest, prompt_token_ids
+from workers.engines.base import Completion, Engine, Finished, GenerationRequest, prompt_token_ids
 from workers.engines.hf import length_targets
 
 __all__ = ["VLLMEngine"]
 
 LORA_NAME = "asyncrl-policy"
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's max_lora_rank accepts
+
+
+def _seed(*parts: Any) -> int:
+    return hash(parts) & 0x7FFFFFFF
 
 
 def _json_default(obj: Any) -> Any:
@@ -58,6 +63,10 @@ def _json_default(obj: Any) -> Any:
 
 
 class VLLMEngine(Engine):
+    streaming = True
+    """Both interfaces on one ``vllm.LLM``: :meth:`generate` (static batches) and, once :meth:`submit` is called,
+    streaming through an engine thread (:mod:`workers.engines.vllm_stream`)."""
+
     def __init__(self, config: EngineConfig):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -80,6 +89,8 @@ class VLLMEngine(Engine):
             lora = {"enable_lora": True, "max_lora_rank": max_rank, "max_loras": 1}
         memory = ({"kv_cache_memory_bytes": config.kv_cache_bytes} if config.kv_cache_bytes is not None
                   else {"gpu_memory_utilization": config.gpu_memory_utilization})
+        if config.max_num_seqs is not None:
+            memory["max_num_seqs"] = config.max_num_seqs
         self.llm = LLM(
             model=config.model,
             dtype=config.dtype,
@@ -99,12 +110,18 @@ class VLLMEngine(Engine):
         self.llm.update_weight_version("0")
         self._lora_dir: Path | None = None
         self._calls = 0
+        self._submits = 0
+        self._streamer: Any = None
+        """The engine thread (:class:`~workers.engines.vllm_stream.VLLMStreamer`), started by the first submit."""
+        self._static_busy = 0.0
+        self._static_capacity = 0.0
 
     def _prompt_ids(self, prompt: Any) -> list[int]:
         return prompt_token_ids(prompt, self.tokenizer).tolist()
 
     def _sampling(self, n: int, seed: int, max_new_tokens: int | None = None):
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         c = self.config
         return SamplingParams(
@@ -117,33 +134,98 @@ class VLLMEngine(Engine):
             ignore_eos=c.ignore_eos,
             logprobs=0,
             seed=seed,
+            output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
-    def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
+    def _params(self, request: GenerationRequest, *seed: Any) -> list[Any]:
+        """The SamplingParams of one request: one of ``n`` samples, or with ``engine.ignore_eos`` one per sample with
+        its own length (seeded by ``(engine.seed, *seed)``, and the sample index)."""
+        if self.config.ignore_eos:
+            limit = request.max_new_tokens or self.config.max_new_tokens
+            return [self._sampling(1, _seed(self.config.seed, *seed, s), target)
+                    for s, target in enumerate(length_targets(self.config, request, limit))]
+        return [self._sampling(request.n, _seed(self.config.seed, *seed), request.max_new_tokens)]
+
+    def _lora_request(self) -> Any:
         from vllm.lora.request import LoRARequest
 
+        return LoRARequest(LORA_NAME, 1, str(self._lora_dir), load_inplace=True) if self._lora_dir else None
+
+    def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
+        """A static batch: every request at once, back when the longest row is done.
+
+        Raises:
+            RuntimeError: while streamed requests are in flight (``vllm.LLM.generate`` would step and collect them).
+        """
+        if self._streamer is not None and self._streamer.in_flight():
+            raise RuntimeError(f"generate() with {self._streamer.in_flight()} streamed requests in flight; poll them "
+                               "first (one engine serves one loop: static or streaming)")
         self._calls += 1
         prompts = [self._prompt_ids(r.prompt) for r in requests]
-        if self.config.ignore_eos:  # one vLLM request per sample, each with its own length
-            limits = [r.max_new_tokens or self.config.max_new_tokens for r in requests]
-            jobs = [
-                (i, self._sampling(1, hash((self.config.seed, self._calls, i, s)) & 0x7FFFFFFF, target))
-                for i, r in enumerate(requests)
-                for s, target in enumerate(length_targets(self.config, r, limits[i]))
-            ]
-        else:
-            jobs = [
-                (i, self._sampling(r.n, hash((self.config.seed, self._calls, i)) & 0x7FFFFFFF, r.max_new_tokens))
-                for i, r in enumerate(requests)
-            ]
-        lora = LoRARequest(LORA_NAME, 1, str(self._lora_dir), load_inplace=True) if self._lora_dir else None
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": prompts[i]} for i, _ in jobs], [p for _, p in jobs], lora_request=lora, use_tqdm=False
-        )
+        jobs = [(i, p) for i, r in enumerate(requests) for p in self._params(r, self._calls, i)]
+        t0 = time.perf_counter()
+        outputs = self._on_engine(lambda: self.llm.generate(
+            [{"prompt_token_ids": prompts[i]} for i, _ in jobs], [p for _, p in jobs],
+            lora_request=self._lora_request(), use_tqdm=False))
+        call_s = time.perf_counter() - t0
         out: list[list[Completion]] = [[] for _ in requests]
         for (i, _), output in zip(jobs, outputs):
             out[i] += [self._completion(prompts[i], c) for c in output.outputs]
+        lengths = [c.response_ids.numel() for cs in out for c in cs]
+        if lengths and max(lengths) > 0:  # a row is busy for its share of the call (decode steps cost alike)
+            self._static_busy += call_s * sum(lengths) / max(lengths)
+            self._static_capacity += call_s * max(self.config.max_num_seqs or 0, len(lengths))
         return out
+
+    # -- streaming (workers.engines.vllm_stream) ---------------------------------------------------------------
+    def submit(self, key: int, request: GenerationRequest) -> None:
+        """One vLLM request for the group (or one per sample with ``engine.ignore_eos``), admitted by the engine
+        thread before its next step."""
+        if self._streamer is None:
+            from workers.engines.vllm_stream import VLLMStreamer
+
+            self._streamer = VLLMStreamer(self.llm.llm_engine, width=self.config.max_num_seqs)
+        self._submits += 1
+        params = self._params(request, -1, self._submits)  # ints only: str hashes vary per process
+        jobs = [(f"asyncrl-{key}-{self._submits}.{j}", p) for j, p in enumerate(params)]
+        self._streamer.submit(key, self._prompt_ids(request.prompt), jobs, self._lora_request())
+
+    def poll(self, timeout: float) -> list[Finished]:
+        if self._streamer is None:
+            return []
+        out = []
+        for done in self._streamer.poll(timeout):
+            if done.error is not None or done.aborted:
+                out.append(Finished(key=done.key, error=done.error, aborted=done.aborted))
+                continue
+            try:
+                out.append(Finished(key=done.key, completions=[self._completion(done.prompt_ids, c)
+                                                               for c in done.outputs]))
+            except Exception as e:  # deliberate: an output we cannot read fails its own lease
+                out.append(Finished(key=done.key, error=e))
+        return out
+
+    def in_flight(self) -> int:
+        return 0 if self._streamer is None else self._streamer.in_flight()
+
+    def occupancy(self) -> dict[str, float]:
+        """Static calls: each row busy for its share of the call (its length over the longest's), W = the rows (or
+        ``engine.max_num_seqs`` if larger); streaming: the running sequences of every scheduler step times the
+        step's seconds, W = ``engine.max_num_seqs`` (or the most run at once) times the seconds anything was in
+        flight, an in-flight update's pause included. Cumulative, both added."""
+        streamed = self._streamer.occupancy() if self._streamer is not None else {}
+        busy = self._static_busy + streamed.get("busy_seq_s", 0.0)
+        capacity = self._static_capacity + streamed.get("capacity_seq_s", 0.0)
+        return {"busy_seq_s": busy, "capacity_seq_s": capacity} if capacity > 0 else {}
+
+    @property
+    def inflight_pauses(self) -> list[float]:
+        """Seconds of each in-flight weight update's pause (pause to resume, load included), oldest first."""
+        return [] if self._streamer is None else list(self._streamer.pauses)
+
+    def _on_engine(self, fn: Any) -> Any:
+        """Runs a call into vLLM on the engine thread once streaming started (it owns vLLM then), else here."""
+        return fn() if self._streamer is None else self._streamer.call(fn)
 
     def _completion(self, prompt_ids: list[int], c: Any) -> Completion:
         response = list(c.token_ids)
@@ -180,14 +262,21 @@ class VLLMEngine(Engine):
         # equal: a reload (e.g. version 0 published at start-up); older is fine from a new incarnation (a resume)
         if update.version < self.policy_version and getattr(update, "incarnation", "") == self.incarnation:
             raise ValueError(f"weight update {update.version=} is older than the engine's {self.policy_version=}")
-        if update.mode == "full":
-            self._load_full(update)
-        elif update.mode == "lora":
-            self._write_adapter(update)
-        else:
+        if update.mode not in ("full", "lora"):
             raise ValueError(f"unknown weight update mode {update.mode!r}")
-        self.llm.reset_prefix_cache()
-        self.llm.update_weight_version(str(update.version))
+
+        def load() -> None:
+            if update.mode == "full":
+                self._load_full(update)
+            else:
+                self._write_adapter(update)
+            self.llm.reset_prefix_cache()  # no prefix is reused across policy versions
+            self.llm.update_weight_version(str(update.version))
+
+        if self._streamer is None:
+            load()
+        else:  # requests may be in flight: paused, kept or aborted per engine.weights_in_flight (vllm_stream)
+            self._streamer.update(self.weights_in_flight, load, lora=update.mode == "lora")
         self.policy_version = update.version
 
     def _load_full(self, update: Any) -> None:
@@ -221,7 +310,7 @@ class VLLMEngine(Engine):
         next request that names it, so none can be read at the safe point: every name is unverifiable (None)."""
         if mode != "full":
             return {n: None for n in names}
-        held = self.llm.collective_rpc("asyncrl_weight_checksums", args=(list(names),))[0]
+        held = self._on_engine(lambda: self.llm.collective_rpc("asyncrl_weight_checksums", args=(list(names),)))[0]
         return {n: None if v is None else (v[0], int(v[1])) for n, v in held.items()}
 
     def _write_adapter(self, update: Any) -> None:
@@ -237,6 +326,8 @@ class VLLMEngine(Engine):
         (self._lora_dir / "adapter_config.json").write_text(json.dumps(config, default=_json_default))
 
     def close(self) -> None:
+        if self._streamer is not None:
+            self._streamer.close()
         engine_core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if engine_core is not None and hasattr(engine_core, "shutdown"):
             engine_core.shutdown()
