@@ -116,7 +116,8 @@ def _offenders(phase: str, m: dict[str, Any], groups: list[Any], tokenizer: Any,
                     "abs_diff": w["abs_diff"], "trainer": w["trainer_logprob"], "engine": w["rollout_logprob"],
                     "context": token_context(tokenizer, ids, int(w["position"]))})
     for w in m.get("topk", {}).get("worst", []):
-        out.append({"name": f"row {w['row']} t={w['position']} token {w['token']}", "what": f"top token ({where})",
+        what = "top token" if math.isfinite(w["abs_diff"]) else "top token in one side's support only"
+        out.append({"name": f"row {w['row']} t={w['position']} token {w['token']}", "what": f"{what} ({where})",
                     "abs_diff": w["abs_diff"], "trainer": w["trainer_logprob"], "engine": w["engine_logprob"],
                     "token": tokenizer.decode([w["token"]], skip_special_tokens=False)})
     return out
@@ -206,7 +207,10 @@ def run(ctx: CheckContext) -> StageResult:
                f"max |d| {top:.2e}")
     if problems:
         summary = f"{summary}; {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")
-    offenders.sort(key=lambda o: -o["abs_diff"])
+    # the worst sampled tokens (in context) first, then the worst top tokens: both kinds are listed
+    sampled = sorted((o for o in offenders if "context" in o), key=lambda o: -o["abs_diff"])
+    top = sorted((o for o in offenders if "context" not in o), key=lambda o: -o["abs_diff"])
+    offenders = sampled[: max(1, ctx.worst - ctx.worst // 2)] + top[: ctx.worst // 2] if top else sampled
     metrics = {"phases": phases, "problems": problems, "loss": loss,
                "sampling": {"temperature": ctx.temperature, "top_k": ctx.top_k, "top_p": ctx.top_p}}
     return StageResult(stage="logprobs", ok=not problems, summary=summary, offenders=offenders[: ctx.worst],
