@@ -44,10 +44,10 @@ def same(update, tensors) -> bool:
     return update.tensors.keys() == tensors.keys() and all(torch.equal(update.tensors[k], t) for k, t in tensors.items())
 
 
-def wait_for(cond, what: str) -> None:
+def wait_for(cond, what) -> None:
     deadline = time.monotonic() + WAIT_S
     while not cond():
-        assert time.monotonic() < deadline, what
+        assert time.monotonic() < deadline, what() if callable(what) else what
         time.sleep(0.01)
 
 
@@ -88,13 +88,16 @@ def test_second_version_travels_as_deltas_and_is_exact(broadcaster, receivers):
     apply(r, 1, v1)
     first = r.stats()
     assert first.get("buckets_delta", 0) == 0 and first["full_bytes"] > 0  # nothing to be a delta against
-    full = broadcaster.stats()["bytes_served"]
+    full = first["full_bytes"]  # the broadcaster counts a bucket after sending it: its count may still be behind
+    wait_for(lambda: broadcaster.stats()["bytes_served"] == full, lambda: f"v1 counted alike: {broadcaster.stats()}")
     broadcaster.publish(v2, 2)
     apply(r, 2, v2)
     s = r.stats()
     assert s["buckets_delta"] > 0 and s.get("delta_refused", 0) == 0
     wire = s["delta_bytes"] + s["full_bytes"] - first["full_bytes"]  # the broadcaster counts after each send:
-    wait_for(lambda: broadcaster.stats()["bytes_served"] - full == wire, "bytes counted alike on both ends")
+    wait_for(lambda: broadcaster.stats()["bytes_served"] - full == wire,
+             lambda: f"bytes counted alike on both ends: {wire=} {full=} receiver {r.stats()} "
+                     f"broadcaster {broadcaster.stats()}")
     assert s["delta_bytes"] * 5 < full, (s, full)
     assert broadcaster.stats()["deltas_encoded"] >= s["buckets_delta"]
 
