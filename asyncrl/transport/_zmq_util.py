@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import zmq
 
-__all__ = ["IOThread", "drain", "is_loopback_bind"]
+__all__ = ["IOThread", "Waker", "drain", "is_loopback_bind"]
 
 JOIN_S = 10.0
 """How long :meth:`IOThread.close` waits for the thread (which polls its stop event every few ms)."""
@@ -94,3 +94,51 @@ class IOThread:
             self.ctx.term()
         self._finalizer()
         return joined or self.thread is None
+
+
+class Waker:
+    """An inproc wake-up pipe into an I/O thread's poller, so that work queued by another thread (a publish) goes
+    out now rather than on the poller's next tick.
+
+    The I/O side binds :meth:`pull` once and polls it with its other sockets (draining it with :func:`drain`); any
+    other thread calls :meth:`wake`, which sends one empty frame unless a wake-up is already pending (it never
+    blocks). :meth:`close` closes the sending end; call it before the context is terminated.
+
+    Args:
+        ctx: the context of the I/O thread (inproc endpoints live in one context).
+        name: a word for the endpoint's name.
+    """
+
+    def __init__(self, ctx: zmq.Context, name: str):
+        self.address = f"inproc://asyncrl-{name}-wake-{id(self):x}"
+        self._ctx = ctx
+        self._lock = threading.Lock()
+        self._push: zmq.Socket | None = None  # the waking threads' end, made on first use, under _lock
+
+    def pull(self) -> zmq.Socket:
+        """The I/O thread's end, bound (the caller closes it with its other sockets)."""
+        sock = self._ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(self.address)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        return sock
+
+    def wake(self) -> None:
+        with self._lock:
+            if self._push is None:
+                self._push = self._ctx.socket(zmq.PUSH)
+                self._push.setsockopt(zmq.LINGER, 0)
+                self._push.connect(self.address)
+            try:
+                self._push.send(b"", zmq.NOBLOCK)
+            except zmq.Again:  # a wake-up is already pending
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            if self._push is not None:
+                self._push.close(linger=0)
+                self._push = None

@@ -64,7 +64,7 @@ import torch
 import zmq
 
 from asyncrl.codec import DecodeError, decode, encode
-from asyncrl.transport._zmq_util import IOThread, drain, is_loopback_bind
+from asyncrl.transport._zmq_util import IOThread, Waker, drain, is_loopback_bind
 from asyncrl.transport.protocol import check_fields
 from asyncrl.weights._ipc_memory import (
     CudaIpcMemory,
@@ -212,12 +212,8 @@ class CudaIpcWeightBroadcaster(WeightBroadcaster):
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.bind(bind)
         self._address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._wake_addr = f"inproc://asyncrl-cuda-ipc-wake-{id(self):x}"
-        self._wake_pull = self._io.ctx.socket(zmq.PULL)
-        self._wake_pull.setsockopt(zmq.LINGER, 0)
-        self._wake_pull.bind(self._wake_addr)
-        self._wake_lock = threading.Lock()
-        self._waker: zmq.Socket | None = None  # the publishing thread's end of the wake-up pipe, under _wake_lock
+        self._waker = Waker(self._io.ctx, "cuda-ipc")
+        self._wake_pull = self._waker.pull()
         self._finalizer = weakref.finalize(self, _cleanup, self._dir)
         self._io.start(self._run)
 
@@ -268,15 +264,7 @@ class CudaIpcWeightBroadcaster(WeightBroadcaster):
     def _post(self, body: dict[str, Any]) -> None:
         """Queues a VERSION for every receiver and wakes the I/O thread, so it goes out now, not on its next tick."""
         self._outbox.put((None, body))
-        with self._wake_lock:
-            if self._waker is None:
-                self._waker = self._io.ctx.socket(zmq.PUSH)
-                self._waker.setsockopt(zmq.LINGER, 0)
-                self._waker.connect(self._wake_addr)
-            try:
-                self._waker.send(b"", zmq.NOBLOCK)
-            except zmq.Again:  # a wake-up is already pending
-                pass
+        self._waker.wake()
 
     @staticmethod
     def _layout_of(tensors: Mapping[str, torch.Tensor]) -> tuple[list[str], list[tuple[torch.dtype, torch.Size]]]:
@@ -359,13 +347,7 @@ class CudaIpcWeightBroadcaster(WeightBroadcaster):
                     "slots": [s.id for s in self._slots], "holders": {s.id: sorted(s.holders) for s in self._slots}}
 
     def close(self) -> None:
-        def close_waker() -> None:
-            with self._wake_lock:
-                if self._waker is not None:
-                    self._waker.close(linger=0)
-                    self._waker = None
-
-        self._io.close(before_join=close_waker)
+        self._io.close(before_join=self._waker.close)
         with self._lock:
             self._slots.clear()
         self._finalizer()

@@ -48,7 +48,7 @@ import zmq
 from asyncrl.codec import DecodeError, decode, encode
 from asyncrl.config import TransportConfig
 from asyncrl.transport._curve import allowed_keys, client_secret_key, start_authenticator
-from asyncrl.transport._zmq_util import IOThread, drain, is_loopback_bind
+from asyncrl.transport._zmq_util import IOThread, Waker, drain, is_loopback_bind
 from asyncrl.weights import protocol as P
 from asyncrl.weights._checksum import fill_bucket
 from asyncrl.weights._receiver import StagedReceiver
@@ -181,8 +181,7 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
         self._spare: list[_Snapshot] = []
         self._last_version: int | None = None
         self._announce: int | None = None
-        self._wake_addr = f"inproc://asyncrl-weights-wake-{id(self):x}"
-        self._waker: zmq.Socket | None = None  # trainer side of the wake-up pipe, used under _publish_lock
+        self._waker = Waker(self._ctx, "weights")
         self._committed: dict[str, int] = {}
         self._peers: dict[bytes, str] = {}
         self._counters: collections.Counter[str] = collections.Counter()
@@ -272,14 +271,7 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
 
     def _wake(self) -> None:
         """Wakes the I/O thread: an ANNOUNCE or a newly written bucket goes out now, not on its next tick."""
-        if self._waker is None:
-            self._waker = self._ctx.socket(zmq.PUSH)
-            self._waker.setsockopt(zmq.LINGER, 0)
-            self._waker.connect(self._wake_addr)
-        try:
-            self._waker.send(b"", zmq.NOBLOCK)
-        except zmq.Again:  # a wake-up is already pending
-            pass
+        self._waker.wake()
 
     def committed(self) -> dict[str, int]:
         with self._lock:
@@ -295,13 +287,7 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
         return out
 
     def close(self) -> None:
-        def close_waker() -> None:
-            with self._publish_lock:
-                if self._waker is not None:
-                    self._waker.close(linger=0)
-                    self._waker = None
-
-        self._io.close(before_join=close_waker)
+        self._io.close(before_join=self._waker.close)
         with self._lock:
             self._versions.clear()
             self._spare.clear()
@@ -330,12 +316,11 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
 
     def _run(self) -> None:
         auth = sock = None
-        wake = self._ctx.socket(zmq.PULL)
-        wake.setsockopt(zmq.LINGER, 0)
+        wake = None
         try:
             # the ZAP handler first: libzmq asks it at every CURVE handshake on the socket bound next
             auth = start_authenticator(self._ctx, self._allowed, self._count) if self._curve is not None else None
-            wake.bind(self._wake_addr)
+            wake = self._waker.pull()
             sock = self._open()
             self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         except Exception as e:  # reported to __init__ in the caller's thread
