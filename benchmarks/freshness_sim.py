@@ -12,7 +12,9 @@ with ``num_workers`` real worker processes, for ``steps`` optimizer steps::
     trainer (this thread)                          workers × N (processes, fake engine)
     ─────────────────────                          ────────────────────────────────────
     batch = next(loader)      ◄══ ZeroMQ groups ══ lease → generate: sleep longest_row / tokens_per_s
-    sleep train_s                                  (static batching: max_batch leases × group_size rows)
+    sleep train_s                                  (static batching: max_batch leases × group_size rows;
+                                                    streaming: each sequence its own length / tokens_per_s,
+                                                    max_num_seqs at once, each group sent when done)
     version += 1                                   safe point: staged update? apply: sleep weight_load_s,
     sleep publish_s, broadcaster.publish(small)  ══shm══►       adopt its version, commit
     loader.set_policy_version(version)
@@ -75,7 +77,9 @@ MAX_LAG_BIN = 16
 """``staleness_hist[i]`` counts the step's rollouts ``i`` versions behind the trainer (the last bin: i or more)."""
 REAL_WEIGHT_NUMEL = 4096
 """Elements of the float32 tensor really published per version (the modelled size is ``weight_bytes``)."""
-PIPELINE_KEYS = ("busy_s", "uptime_s", "weight_apply_s", "rollouts_sent", "tokens_generated", "policy_version")
+PIPELINE_KEYS = ("busy_s", "uptime_s", "weight_apply_s", "rollouts_sent", "tokens_generated", "policy_version",
+                 "busy_seq_s", "capacity_seq_s", "inflight_updates", "inflight_pause_p50_s", "inflight_pause_p99_s",
+                 "groups_resubmitted")
 
 
 @dataclass(slots=True)
@@ -106,7 +110,17 @@ class SimConfig:
     max_batch: int = 4
     """Leases per engine call."""
     slots: int = 8
-    """Leases (credits) a worker holds at once."""
+    """Leases (credits) a worker holds at once (streaming: leases whose requests are in the engine at once)."""
+    streaming: bool = False
+    """The workers' loop: False = static batches (``max_batch`` leases per call, each waits for its longest row),
+    True = streaming (continuous batching, ``worker.streaming``; updates applied in flight)."""
+    streaming_slots: int = 0
+    """Streaming: leases whose requests are in the engine at once (``worker.slots`` of a streaming worker); 0 =
+    ``slots``. A streaming engine stays full only while enough leases are in it: a group's last samples hold
+    its lease while the others' slots are free, so it wants several times ``max_num_seqs / group_size``."""
+    max_num_seqs: int = 0
+    """Sequences the fake engine decodes at once when streaming (its occupancy width in both loops); 0 =
+    ``max_batch * group_size``, a static call's rows, so both loops have the same engine."""
     time_scale: float = 1.0
     """Every modelled duration is divided by this before it is slept; real overheads are not."""
     seed: int = 0
@@ -120,6 +134,8 @@ class SimConfig:
             raise ValueError(f"time-model terms must be >= 0, got {rates}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(f"need 0 <= {self.min_new_tokens=} <= {self.max_new_tokens=}")
+        if self.max_num_seqs < 0 or self.streaming_slots < 0:
+            raise ValueError(f"{self.max_num_seqs=} and {self.streaming_slots=} must be >= 0 (0: the default)")
         if min(self.prompt_tokens, self.group_size, self.batch_size, self.max_batch, self.slots) < 1:
             raise ValueError("prompt_tokens, group_size, batch_size, max_batch and slots must all be >= 1")
 
@@ -144,6 +160,14 @@ class SimConfig:
         if missing:
             raise ValueError(f"from_measured: {missing} not in summary {sorted(summary)} nor in overrides")
         return cls(**kwargs)
+
+    def worker_slots(self) -> int:
+        """The credits each worker holds: ``streaming_slots`` (or ``slots``) when streaming, else ``slots``."""
+        return (self.streaming_slots or self.slots) if self.streaming else self.slots
+
+    def engine_width(self) -> int:
+        """The engine's sequence capacity (``engine.max_num_seqs``), the same in both loops."""
+        return self.max_num_seqs or self.max_batch * self.group_size
 
     def seconds_per_token(self) -> float:
         """The fake engine's sleep per token of a batch's longest row (wall seconds)."""
@@ -194,7 +218,7 @@ def loader_capacity(sim: SimConfig, *, max_staleness: int, num_workers: int) -> 
     dropped as stale and regenerated, and counted (``pipeline.stale_dropped``): the cost of too many
     workers shows up as waste and staleness, not as idle workers.
     """
-    return max(num_workers * sim.slots, 2 * sim.batch_size * (max_staleness + 1))
+    return max(num_workers * sim.worker_slots(), 2 * sim.batch_size * (max_staleness + 1))
 
 
 def _loader_config(sim: SimConfig, *, max_staleness: int, num_workers: int, weights_address: str) -> LoaderConfig:
@@ -207,13 +231,15 @@ def _loader_config(sim: SimConfig, *, max_staleness: int, num_workers: int, weig
         length_median=sim.length_median,
         seconds_per_token=sim.seconds_per_token(),
         weight_load_s=sim.weight_load_s(),
+        max_num_seqs=sim.engine_width(),
     )
     worker = WorkerConfig(
         engine=engine,
         reward="workers.rewards:fake_reward",
         weights=WeightSyncConfig(type="shm", address=weights_address),
-        slots=sim.slots,
+        slots=sim.worker_slots(),
         max_batch=sim.max_batch,
+        streaming=bool(sim.streaming),
     )
     # the longest engine call plus a weight load: a lease held (or a pipeline silent) for several of these is
     # lost, not a long tail; below the 300 s default a long call at a small time_scale would be re-leased
@@ -402,7 +428,8 @@ def main(argv: list[str] | None = None) -> None:
         key, _, raw = item.partition("=")
         if key not in fields:
             raise SystemExit(f"--set {item!r}: unknown SimConfig field; known: {sorted(fields)}")
-        values[key] = int(float(raw)) if fields[key] == "int" else float(raw)
+        values[key] = (int(float(raw)) if fields[key] == "int" else raw.lower() in ("1", "true", "yes")
+                       if fields[key] == "bool" else float(raw))
     path = run_point(SimConfig(**values), max_staleness=args.max_staleness, num_workers=args.workers,
                      steps=args.steps, run_dir=Path(args.run_dir))
     print(f"wrote {path}")

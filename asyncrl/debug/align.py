@@ -113,12 +113,23 @@ def load_policy(model_dir: str, checkpoint: str | None, dtype: torch.dtype) -> t
     """The trainer's model: the model directory, then the model section of a recipe DCP checkpoint.
 
     A checkpoint with LoRA adapter keys is loaded into a peft-wrapped model configured from the
-    ``lora`` section of the checkpoint's ``config.json`` (which the recipe writes next to it).
+    ``lora`` section of the checkpoint's ``config.json`` (which the recipe writes next to it). A QLoRA checkpoint
+    (its ``base.json`` names the base by hash) holds only the adapter: the base is ``model_dir`` loaded in 4-bit
+    as the trainer loaded it (:func:`asyncrl.qlora.load_quantized_base`), refused if its hash differs.
     """
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    from asyncrl.checkpoint import BASE, check_base
+
+    qlora = bool(checkpoint) and (Path(checkpoint) / BASE).exists()
+    if qlora:
+        from asyncrl.qlora import base_reference, load_quantized_base
+
+        model = load_quantized_base(model_dir, dtype=str(dtype).removeprefix("torch."))
+        check_base(Path(checkpoint), base_reference(model, model_dir))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     if checkpoint:
         keys = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
         if any(".lora_" in k for k in keys if k.startswith(f"{CHECKPOINT_MODEL}.")):
@@ -129,11 +140,11 @@ def load_policy(model_dir: str, checkpoint: str | None, dtype: torch.dtype) -> t
             lora = loads_json((Path(checkpoint) / "config.json").read_bytes())["lora"]
             model = get_peft_model(model, LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"],
                                                      target_modules=lora["target_modules"]))
-        state = {CHECKPOINT_MODEL: model.state_dict()}
+        state = {CHECKPOINT_MODEL: {k: v for k, v in model.state_dict().items() if not qlora or ".lora_" in k}}
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
             dcp.load(state, checkpoint_id=checkpoint)
-        model.load_state_dict(state[CHECKPOINT_MODEL])
+        model.load_state_dict(state[CHECKPOINT_MODEL], strict=not qlora)
     return model.eval()
 
 
@@ -156,6 +167,7 @@ def _weight_update(model: torch.nn.Module) -> Any:
 def _generate(args: argparse.Namespace, prompts: list[Any], tokenizer: Any, model: torch.nn.Module) -> list[Any]:
     """Rank 0: K samples per prompt from the engine, loaded with the engine checkpoint, as groups."""
     from asyncrl.config import EngineConfig
+    from asyncrl.qlora import is_quantized
     from workers.engines.base import GenerationRequest, build_engine, prompt_token_ids
 
     ckpt = args.checkpoint if args.engine_checkpoint is None else args.engine_checkpoint
@@ -167,7 +179,8 @@ def _generate(args: argparse.Namespace, prompts: list[Any], tokenizer: Any, mode
     engine = build_engine(EngineConfig(
         type=args.engine, model=args.model, dtype=args.dtype, seed=args.seed, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.max_new_tokens, min_new_tokens=0,
-        max_model_len=longest + args.max_new_tokens, kv_cache_bytes=args.kv_cache_mb << 20, lora_rank=lora_rank))
+        max_model_len=longest + args.max_new_tokens, kv_cache_bytes=args.kv_cache_mb << 20, lora_rank=lora_rank,
+        quantization="nf4" if is_quantized(model) else "none"))  # a QLoRA checkpoint: the same 4-bit base
     try:
         if update is not None:
             engine.apply_weights(update)  # the real update path of a worker

@@ -123,3 +123,20 @@ def test_baseline_bands():
     failures = compare_to_baseline([point(0, 1.0, 0.1), point(1, 1.2, 0.7)], baseline)
     assert len(failures) == 2 and "speedup k=1 w=2 = 1.200" in failures[1] and "efficiency k=0" in failures[0]
     assert "missing" in compare_to_baseline([point(0, 1.0, 0.4)], baseline)[0]
+
+
+@pytest.mark.integration
+def test_streaming_is_compared_with_static_point_by_point():
+    from benchmarks.freshness import comparison_table, loop_comparison
+
+    def point(loop: str, k: int, rate: float, occupancy: float, pause: float | None) -> dict:
+        metrics = {"rollouts_per_s": rate, "occupancy": occupancy, "staleness_mean": 0.5, "regenerated_frac": 0.0,
+                   "inflight_pause_p50_s": pause, "inflight_pause_p99_s": pause, "resubmitted_frac": 0.0}
+        return {"loop": loop, "max_staleness": k, "workers": 2, "metrics": {n: {"median": v} for n, v in metrics.items()}}
+
+    points = [point("static", 1, 2.0, 0.4, None), point("static", 2, 3.0, 0.5, None),
+              point("streaming", 1, 5.0, 0.95, 0.7)]
+    (row,) = loop_comparison(points)  # k=2 has no streaming point: nothing to compare
+    assert (row["max_staleness"], row["streaming_over_static"]) == (1, 2.5)
+    assert row["occupancy"] == {"static": 0.4, "streaming": 0.95} and row["inflight_pause_s"]["p99"] == 0.7
+    assert "2.50x" in comparison_table([row])

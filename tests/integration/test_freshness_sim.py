@@ -98,3 +98,27 @@ def test_from_measured_maps_summary_keys():
     assert sim.train_s_fixed == 0.0 and sim.group_size == 4
     with pytest.raises(ValueError, match="tokens_per_s_per_worker"):
         SimConfig.from_measured({"train_s_per_token": 1e-4})
+
+
+def test_a_streaming_point_reports_occupancy_and_its_in_flight_pauses(tmp_path):
+    import dataclasses
+
+    from benchmarks.freshness import analyze
+
+    sim = dataclasses.replace(SIM, streaming=True, streaming_slots=6)
+    assert sim.worker_slots() == 6 and sim.engine_width() == SIM.max_batch * SIM.group_size
+    path = run_point(sim, max_staleness=2, num_workers=2, steps=STEPS, run_dir=tmp_path)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["loader"]["worker"]["streaming"] is True and config["loader"]["worker"]["slots"] == 6
+    assert config["loader"]["worker"]["engine"]["max_num_seqs"] == SIM.max_batch * SIM.group_size
+    for r in rows:
+        assert r["staleness_max"] <= 2 and sum(r["staleness_hist"]) == SIM.batch_size * SIM.group_size
+    workers = rows[-1]["pipeline"]["workers"]
+    for stats in workers.values():
+        assert 0 < stats["busy_seq_s"] <= stats["capacity_seq_s"]
+    # updates land while requests are in flight; each pause is at least the modelled load (10 MB x 1e-9 s/byte)
+    paused = [s for s in workers.values() if s.get("inflight_updates", 0) > 0]
+    assert paused and all(s["inflight_pause_p50_s"] >= 0.01 for s in paused)
+    m = analyze(rows, warmup=1, group_size=SIM.group_size)
+    assert 0 < m["occupancy"] <= 1 and m["inflight_pause_p99_s"] >= 0.01

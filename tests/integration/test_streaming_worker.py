@@ -58,7 +58,7 @@ def pool_end():
 
 @pytest.mark.parametrize("streaming", [False, True])
 def test_a_streaming_worker_gets_each_free_credit_at_once_a_static_one_in_halves(pool_end, streaming):
-    pool, receiver, endpoint = pool_end
+    pool, _, endpoint = pool_end
     sender = setup_rollout_sender(TRANSPORT, [endpoint], worker_id=f"w-{streaming}", slots=4, streaming=streaming)
     sender.start()
     try:
@@ -79,7 +79,7 @@ def test_a_streaming_worker_gets_each_free_credit_at_once_a_static_one_in_halves
 
 
 def test_the_pool_keeps_a_worker_status_of_up_to_max_status_keys(pool_end):
-    pool, receiver, endpoint = pool_end
+    _, receiver, endpoint = pool_end
     sender = setup_rollout_sender(TRANSPORT, [endpoint], worker_id="w-status", slots=1)
     sender.start()
     try:

@@ -14,7 +14,7 @@ import pytest
 from asyncrl.config import EngineConfig, WorkerConfig
 from asyncrl.rewards import RewardSet
 from asyncrl.transport import ReceivedLease
-from workers.engines.base import GenerationRequest, build_engine
+from workers.engines.base import GenerationRequest
 from workers.engines.fake import FakeEngine
 from workers.rewards import fake_reward
 from workers.worker import RolloutWorker
@@ -77,7 +77,8 @@ def _lease(i: int, *, n: int = 2, version: int = 0, prompt=None, incarnation: st
 
 
 def _engine(**kw) -> FakeEngine:
-    base = dict(seconds_per_token=SPT, min_new_tokens=2, max_new_tokens=120, length_tail=1.0, length_median=10)
+    base = {"seconds_per_token": SPT, "min_new_tokens": 2, "max_new_tokens": 120, "length_tail": 1.0,
+            "length_median": 10}
     return FakeEngine(EngineConfig(**{**base, **kw}))
 
 

@@ -10,7 +10,8 @@ sampled distribution behind the engine config's back.
 Sampling is reproducible: call ``i`` of an engine seeds ``(config.seed, i)`` inside a forked RNG,
 so the process-wide RNG is left alone. Weights: a ``full`` update loads a state dict (HF names,
 strict, dropping any adapter); a ``lora`` update wraps the model with peft on first use and loads the
-adapter state dict (the LoRA config is fixed from then on).
+adapter state dict (the LoRA config is fixed from then on). With ``engine.quantization=nf4`` the base is
+the trainer's 4-bit QLoRA base (:func:`asyncrl.qlora.load_quantized_base`) and only ``lora`` updates apply.
 
 Long-tailed workloads (benchmarks): with ``engine.ignore_eos`` no stop token (EOS or
 ``stop_token_ids``) ends a response. Each response then has a target length: drawn from the lognormal
@@ -93,7 +94,12 @@ class HFEngine(Engine):
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
-        self.model = AutoModelForCausalLM.from_pretrained(config.model, dtype=self.dtype).to(self.device).eval()
+        if config.quantization == "nf4":  # QLoRA: the trainer's 4-bit base, loaded by the same function
+            from asyncrl.qlora import load_quantized_base
+
+            self.model = load_quantized_base(config.model, dtype=config.dtype, device=self.device).eval()
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(config.model, dtype=self.dtype).to(self.device).eval()
         eos = self.tokenizer.eos_token_id
         if eos is None and not config.stop_token_ids:
             raise ValueError(f"tokenizer of {config.model!r} has no eos token; set engine.stop_token_ids")
@@ -301,6 +307,9 @@ class HFEngine(Engine):
         return {n: (str(held[n].dtype).removeprefix("torch."), tensor_checksum(held[n])) for n in names if n in held}
 
     def _apply_full(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.config.quantization != "none":
+            raise ValueError(f"full weight update to an engine holding a 4-bit base (engine.quantization="
+                             f"{self.config.quantization}): a QLoRA engine takes lora updates only (the base is frozen)")
         # Validated against the base model's names before anything changes, adapter or not.
         self._check_names("full", set(tensors), set(self._base_shapes))
         for name, t in tensors.items():
