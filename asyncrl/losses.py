@@ -2,8 +2,9 @@
 
 ``compute_loss(batch, logprobs, config=...)`` is what a training step calls: advantages
 (:func:`compute_advantages`: ``scale_rewards`` group / batch / none), then :func:`policy_loss` (``loss_type``
-grpo / bnpo / dr_grpo / dapo, ``epsilon`` / ``epsilon_high`` clipping, the k3 KL to a reference model with
-``beta``, ``mask_truncated_completions``) or the user's ``loss.fn``. The names and their meanings are TRL's
+grpo / bnpo / dr_grpo / dapo / luspo and the surrogates cispo / sapo, ``importance_sampling_level`` token or
+sequence (GSPO), ``epsilon`` / ``epsilon_high`` clipping, two-sided clipping ``delta``, the k3 KL to a reference
+model with ``beta``, ``mask_truncated_completions``) or the user's ``loss.fn``. The names and their meanings are TRL's
 (``GRPOConfig`` and ``GRPOTrainer._compute_loss``); the old names ``clip_low``, ``clip_high``, ``kl_coef`` and
 ``aggregation`` still work (:data:`RENAMED`).
 
@@ -87,7 +88,7 @@ def group_advantages(
     return centered / (var.sqrt()[inverse] + eps)
 
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
 SCALE_REWARDS = ("group", "batch", "none")
 RENAMED = {"clip_low": "epsilon", "clip_high": "epsilon_high", "kl_coef": "beta", "aggregation": "loss_type"}
 """Old ``loss.*`` names, still accepted, and the TRL names that replaced them."""
@@ -99,11 +100,26 @@ AGGREGATION_LOSS_TYPE = {"token": "bnpo", "sequence": "grpo"}
 class LossConfig:
     """The GRPO family (TRL 1.16's names and meanings) and the off-policy corrections of asynchronous rollouts."""
 
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    """How per-token losses become one (TRL's ``loss_type``): ``grpo``: mean over sequences of each sequence's
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"] = "dapo"
+    """TRL's ``loss_type``. The PPO-clip surrogate, aggregated as: ``grpo``: mean over sequences of each sequence's
     token mean (length-biased); ``bnpo``: sum over this rank's valid tokens / their number; ``dr_grpo``: sum /
     (sequences x ``max_completion_length``), Dr. GRPO's constant; ``dapo``: sum / (valid tokens of all ranks /
-    ranks), the same normaliser on every rank (= ``bnpo`` with one rank)."""
+    ranks), the same normaliser on every rank (= ``bnpo`` with one rank); ``luspo``: mean over sequences of each
+    sequence's token sum (meant for ``importance_sampling_level: sequence``). Other surrogates: ``cispo``
+    (ScaleRL): ``-sg(min(r, epsilon_high)) * A * logp``, aggregated as ``dapo`` (ScaleRL recommends ``epsilon_high``
+    5.0); ``sapo``: the soft gate ``-sigmoid(tau (r - 1)) * 4 / tau * A`` with ``tau`` = ``sapo_temperature_pos`` or
+    ``_neg`` by the advantage's sign, aggregated as ``grpo``."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """TRL's ``importance_sampling_level``: ``token``: one ratio ``r`` per token; ``sequence`` (GSPO): one per
+    sequence, ``exp`` of the mean of the tokens' log-ratios over its valid tokens (GSPO's setup is ``loss_type:
+    grpo``)."""
+    delta: float | None = None
+    """Two-sided clipping (INTELLECT-2, TRL's ``delta``): the unclipped ratio of the PPO surrogate is also capped at
+    ``delta`` (> 1; recommended above ``1 + epsilon_high``), bounding the loss of negative-advantage tokens; None: off."""
+    sapo_temperature_pos: float = 1.0
+    """``sapo``: the gate's temperature for tokens with positive advantage (TRL's default)."""
+    sapo_temperature_neg: float = 1.05
+    """``sapo``: the gate's temperature for tokens with non-positive advantage (TRL's default)."""
     scale_rewards: Literal["group", "batch", "none"] | bool = "group"
     """Advantages are ``reward - group mean``, divided by (TRL's ``scale_rewards``) ``group``: the group's std;
     ``batch``: the std of the whole batch (all ranks); ``none``: nothing (Dr. GRPO). Stds are unbiased, plus
@@ -163,6 +179,15 @@ class LossConfig:
             raise ValueError(f"loss.loss_type={self.loss_type!r} must be one of {LOSS_TYPES}")
         if self.scale_rewards not in SCALE_REWARDS:
             raise ValueError(f"loss.scale_rewards={self.scale_rewards!r} must be one of {SCALE_REWARDS} (or a bool)")
+        if self.importance_sampling_level not in ("token", "sequence"):
+            raise ValueError(f"loss.importance_sampling_level={self.importance_sampling_level!r} must be 'token' or "
+                             "'sequence'")
+        if self.delta is not None and self.delta <= 1:
+            raise ValueError(f"loss.delta={self.delta} must be > 1 (a cap on the ratio, recommended above 1 + "
+                             f"epsilon_high = {1 + float(self.epsilon_high)}), or None")
+        if self.sapo_temperature_pos <= 0 or self.sapo_temperature_neg <= 0:
+            raise ValueError(f"need loss.sapo_temperature_pos={self.sapo_temperature_pos} and "
+                             f"loss.sapo_temperature_neg={self.sapo_temperature_neg} > 0")
         if self.max_completion_length is not None and self.max_completion_length < 1:
             raise ValueError(f"loss.max_completion_length={self.max_completion_length} must be >= 1 (or None)")
         if self.fn is not None and ":" not in self.fn:
@@ -264,15 +289,17 @@ def _aggregate(
     attached to the graph, when nothing is valid."""
     values = torch.where(valid, values, torch.zeros_like(values))
     total = values.sum()
-    if config.loss_type == "grpo":  # every row counts in the mean, a row without valid tokens as 0 (TRL)
+    if config.loss_type in ("grpo", "sapo"):  # every row counts in the mean, a row without valid tokens as 0 (TRL)
         return (values.sum(-1) / valid.sum(-1).clamp(min=1)).mean() if values.shape[0] else total
+    if config.loss_type == "luspo":
+        return values.sum(-1).mean() if values.shape[0] else total
     if config.loss_type == "dr_grpo":
         if config.max_completion_length is None:
             raise ValueError("loss.loss_type='dr_grpo' needs loss.max_completion_length (the recipe sets it to the "
                              "engine's max_new_tokens)")
         return total / (values.shape[0] * config.max_completion_length)
     count = valid.sum().float()
-    if config.loss_type == "dapo" and all_reduce is not None:  # valid tokens of all ranks / ranks
+    if config.loss_type in ("dapo", "cispo") and all_reduce is not None:  # valid tokens of all ranks / ranks
         totals = all_reduce(torch.stack([count, torch.ones_like(count)]))
         count = totals[0] / totals[1]
     return total / count.clamp(min=1)
@@ -411,11 +438,22 @@ def policy_loss(
 
     adv = advantages.detach().float().to(lp.device)
     adv = adv[:, None].expand_as(lp) if adv.dim() == 1 else adv
-    ratio = (lp - old).exp()
+    log_ratio = lp - old
+    if config.importance_sampling_level == "sequence":  # GSPO: one ratio per sequence, its tokens' mean log-ratio
+        seq = torch.where(valid, log_ratio, zero).sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp(min=1)
+        log_ratio = seq.expand_as(lp)
+    ratio = log_ratio.exp()
     low, high = config.clip_range
     clipped_ratio = ratio.clamp(low, high)
-    unclipped_loss, clipped_loss = -ratio * adv, -clipped_ratio * adv
-    pg_tokens = torch.maximum(unclipped_loss, clipped_loss) * weights
+    capped = ratio.clamp(max=config.delta) if config.delta is not None else ratio  # two-sided clipping
+    unclipped_loss, clipped_loss = -capped * adv, -clipped_ratio * adv
+    if config.loss_type == "cispo":
+        pg_tokens = -ratio.clamp(max=float(config.epsilon_high)).detach() * adv * lp * weights  # epsilon_high: the cap
+    elif config.loss_type == "sapo":
+        tau = torch.where(adv > 0, config.sapo_temperature_pos, config.sapo_temperature_neg)
+        pg_tokens = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv * weights
+    else:
+        pg_tokens = torch.maximum(unclipped_loss, clipped_loss) * weights
     pg_loss = _aggregate(pg_tokens, valid, config, all_reduce)
     stats = {"pg_loss": pg_loss.detach()}
     n_valid, n_base, n_mask = valid.sum().clamp(min=1), base.sum().clamp(min=1), mask.sum().clamp(min=1)
@@ -430,6 +468,8 @@ def policy_loss(
 
     low_clipped, high_clipped = valid & (ratio < low) & (adv < 0), valid & (ratio > high) & (adv > 0)
     stats["clip_fraction"] = (valid & (clipped_loss > unclipped_loss)).sum() / n_valid
+    if config.loss_type == "cispo":  # TRL's cispo_clip_ratio: tokens whose weight the cap truncated
+        stats["cispo_clip_ratio"] = (valid & (ratio > float(config.epsilon_high)) & (adv > 0)).sum() / n_valid
     stats["clip_ratio/low_mean"] = low_clipped.sum() / n_valid
     stats["clip_ratio/high_mean"] = high_clipped.sum() / n_valid
     stats["clip_ratio/region_mean"] = (low_clipped | high_clipped).sum() / n_valid

@@ -88,6 +88,42 @@ def test_each_loss_type_by_hand(loss_type):
     torch.testing.assert_close(grad, expected.expand_as(grad))
 
 
+def test_other_surrogates_and_gspo_by_hand():
+    """On-policy (ratio 1): cispo's token term is -A * logp (weight min(1, cap) = 1), aggregated as dapo; sapo's gate
+    is sigmoid(0) * 4 / tau = 2 / tau with slope 1 at r = 1, aggregated as grpo; GSPO (one ratio per sequence)
+    equals the token level at ratio 1 under grpo; luspo sums each row's tokens, then means over rows."""
+    loss, _, grad = _loss(LossConfig(loss_type="cispo", epsilon_high=5.0, correction="none"))
+    per_token = torch.where(MASK, -ADV_NONE[:, None] * LP, torch.zeros(()))
+    close(loss, float(per_token.sum() / 7))
+    torch.testing.assert_close(grad, torch.where(MASK, -ADV_NONE[:, None] / 7, torch.zeros(())))
+    loss, _, grad = _loss(LossConfig(loss_type="sapo", correction="none"))
+    tau = torch.where(ADV_NONE > 0, 1.0, 1.05)
+    close(loss, float((-2 / tau * ADV_NONE).mean()))
+    row_weight = 1 / (4 * MASK.sum(-1, keepdim=True).float())
+    torch.testing.assert_close(grad, torch.where(MASK, -ADV_NONE[:, None] * row_weight, torch.zeros(())))
+    token_loss, _, token_grad = _loss(LossConfig(loss_type="grpo", correction="none"))
+    seq_loss, _, seq_grad = _loss(LossConfig(loss_type="grpo", importance_sampling_level="sequence", correction="none"))
+    close(seq_loss, float(token_loss.detach()))
+    torch.testing.assert_close(seq_grad, token_grad)
+    loss, _, grad = _loss(LossConfig(loss_type="luspo", importance_sampling_level="sequence", correction="none"))
+    close(loss, float((-ADV_NONE * MASK.sum(-1)).mean()))
+    torch.testing.assert_close(grad, torch.where(MASK, -ADV_NONE[:, None] / 4, torch.zeros(())))
+
+
+def test_delta_caps_the_unclipped_ratio_of_negative_advantages():
+    lp = LP.clone().requires_grad_(True)
+    old = LP.clone()
+    old[1, 0] = LP[1, 0] - math.log(2.0)  # ratio 2 on a token of advantage -0.5: PPO's max takes the unclipped 2
+    plain, _ = policy_loss(lp, old, old, ADV_NONE, MASK, config=LossConfig(loss_type="bnpo", correction="none"))
+    capped, _ = policy_loss(lp, old, old, ADV_NONE, MASK,
+                            config=LossConfig(loss_type="bnpo", correction="none", delta=1.5))
+    close(float(plain) - float(capped), 0.5 * (2.0 - 1.5) / 7)
+    with pytest.raises(ValueError, match="delta"):
+        LossConfig(delta=1.0)
+    with pytest.raises(ValueError, match="importance_sampling_level"):
+        LossConfig(importance_sampling_level="group")
+
+
 def test_dapo_normalises_by_the_tokens_of_all_ranks():
     config = LossConfig(loss_type="dapo", correction="none")
     loss, _, _ = _loss(config, all_reduce=lambda t: t + torch.tensor([5.0, 1.0]))  # the other rank: 5 tokens
@@ -159,18 +195,20 @@ def test_compute_loss_is_advantages_then_the_loss():
 
 
 def _trl_loss(loss_type: str, lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, ref: torch.Tensor | None,
-              beta: float):
+              beta: float, level: str = "token", delta: float | None = None, epsilon_high: float = 0.2):
     """TRL 1.16's ``GRPOTrainer._compute_loss`` on our numbers: a stand-in ``self`` whose forward returns ``lp``."""
     grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
     accelerator = SimpleNamespace(num_processes=1, gather=lambda t: t, gather_for_metrics=lambda t: t,
                                   reduce=lambda t, reduction: t, sync_gradients=True)
     fake = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (lp, torch.zeros_like(lp), None),
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta,
-        loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.2, use_vllm=False, model=SimpleNamespace(training=True),
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level=level, beta=beta,
+        loss_type=loss_type, epsilon_low=0.2, epsilon_high=epsilon_high, use_vllm=False,
+        model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=1, max_completion_length=4, accelerator=accelerator,
         _entropy_bonus_enabled=False, aux_loss_enabled=False, _metrics={"train": defaultdict(list)},
-        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1),
+        args=SimpleNamespace(delta=delta, use_bias_correction_kl=False, steps_per_generation=1,
+                             sapo_temperature_pos=1.0, sapo_temperature_neg=1.05),
     )
     inputs = {"prompt_ids": torch.zeros(4, 0, dtype=torch.long), "prompt_mask": torch.zeros(4, 0, dtype=torch.long),
               "completion_ids": torch.zeros(4, 3, dtype=torch.long), "completion_mask": MASK.long(),
@@ -198,6 +236,29 @@ def test_each_loss_type_matches_trl(loss_type):
     torch.testing.assert_close(lp.grad, lp_trl.grad)
     assert metrics["kl"] == pytest.approx(trl_metrics["kl"][0], rel=1e-5)
     assert metrics["clip_ratio/region_mean"] == pytest.approx(trl_metrics["clip_ratio/region_mean"][0], rel=1e-5)
+
+
+@pytest.mark.slow  # importing trl's trainer takes ~20 s (it imports vLLM)
+@pytest.mark.parametrize(("loss_type", "level", "delta", "epsilon_high"), [
+    ("cispo", "token", None, 5.0), ("sapo", "token", None, 0.2), ("luspo", "sequence", None, 0.2),
+    ("grpo", "sequence", None, 0.2), ("dapo", "token", 1.3, 0.2), ("bnpo", "sequence", 1.3, 0.2)])
+def test_other_surrogates_gspo_and_delta_match_trl(loss_type, level, delta, epsilon_high):
+    """Off-policy tokens (ratios 1.5 and 0.7) so that clipping, the delta cap and the gates all bite."""
+    old = LP.clone()
+    old[0, 0], old[2, 1], old[1, 0] = LP[0, 0] - math.log(1.5), LP[2, 1] - math.log(0.7), LP[1, 0] - math.log(1.6)
+    ref = LP + 0.3 * torch.tensor([[1.0, -1.0, 0.5], [2.0, 0.0, 0.0], [-0.5, 1.0, 0.0], [0.2, 0.0, 0.0]])
+    adv = compute_advantages(REWARDS, GROUPS, scale_rewards="group")
+    lp_trl = LP.clone().requires_grad_(True)
+    expected, _ = _trl_loss(loss_type, lp_trl, old, adv, ref, beta=0.05, level=level, delta=delta,
+                            epsilon_high=epsilon_high)
+    lp = LP.clone().requires_grad_(True)
+    config = LossConfig(loss_type=loss_type, correction="none", beta=0.05, importance_sampling_level=level,
+                        delta=delta, epsilon_high=epsilon_high)
+    ours, _ = policy_loss(lp, old, old, adv, MASK, config=config, ref_logprobs=ref)
+    close(ours, float(expected.detach()))
+    expected.backward()
+    ours.backward()
+    torch.testing.assert_close(lp.grad, lp_trl.grad)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
