@@ -8,7 +8,9 @@
   on KV cache from the old ones (vLLM's recompute preemption at the pause);
 * ``abort``: every group in flight comes back ``Finished(aborted=True)`` once, nothing else of it, and the next
   submission of it is generated whole under the new weights;
-* an in-flight LoRA update (``keep``): the adapter reaches the requests in flight.
+* an in-flight LoRA update (``keep``): the adapter reaches the requests in flight (and a request submitted before
+  the engine had any adapter comes back aborted);
+* a request vLLM refuses (too long, a token outside the vocabulary) fails alone; the others go on.
 """
 
 from __future__ import annotations
@@ -184,19 +186,70 @@ def test_in_flight_update_abort_loses_nothing_and_regenerates_nothing_twice(engi
         assert _span_logprobs({4: model}, c) <= TOL
 
 
+def test_the_streaming_worker_loop_on_vllm_answers_every_lease_once_across_an_in_flight_update(engine, model_dir):
+    """The worker's streaming loop (workers/streaming.py, with the channel fakes of its unit tests) on this engine: each
+    lease answered once, the update applied in flight, the rollouts' spans and logprobs right per version."""
+    from tests.unit.test_streaming import StagedWeights, StreamSender, _lease
+    from workers.rewards import fake_reward
+    from workers.worker import RolloutWorker
+
+    base = load_model(model_dir)
+    v5 = perturbed(base, seed=14)
+    models = {4: load_model(model_dir), 5: load_model(model_dir)}
+    models[4].load_state_dict(perturbed(base, seed=12))  # the abort test's version 4, still loaded
+    models[5].load_state_dict(v5)
+    leases = [_lease(i, n=2, version=4, prompt={"prompt_ids": [1, 50 + i, 41]}) for i in range(4)]
+    sender = StreamSender(leases)
+    sched = engine._streamer._scheduler
+    weights = StagedWeights(WeightUpdate(version=5, mode="full", tensors=v5), ready=lambda: any(
+        r.num_output_tokens >= 2 for r in engine._on_engine(lambda: list(sched.running))))
+    w = RolloutWorker("w0", engine, fake_reward, sender, max_batch=4, slots=4, streaming=True, weights=weights,
+                      weights_in_flight="keep", catch_up_s=10.0)
+    w.run()
+    assert sorted(lid for lid, _ in sender.groups) == [x.lease_id for x in leases] and not sender.failed
+    assert weights.committed == [5] and w.inflight_updates == 1
+    rollouts = [r for _, g in sender.groups for r in g.rollouts]
+    assert all([v for v, _, _ in r.version_spans] == [4, 5] for r in rollouts), [r.version_spans for r in rollouts]
+    assert max(_span_logprobs(models, r) for r in rollouts) <= TOL
+    assert engine.in_flight() == 0
+
+
 def test_in_flight_lora_update_reaches_requests_in_flight(engine, model_dir):
     state = load_model(model_dir).state_dict()
-    engine.apply_weights(WeightUpdate(version=5, mode="full", tensors=state))  # back to the base, nothing in flight
-    first, _ = lora_update(model_dir, version=6)
-    engine.apply_weights(first)  # an adapter exists before the requests: they carry its LoRARequest
-    second, _ = lora_update(model_dir, version=7)
+    engine.apply_weights(WeightUpdate(version=6, mode="full", tensors=state))  # back to the base, nothing in flight
+    first, _ = lora_update(model_dir, version=7)
+    engine.submit(39, _request(6, LONG))  # before any adapter: it carries none and cannot be moved onto one
+    _wait_decoding(engine)
+    engine.apply_weights(first)
+    assert _poll_until(engine, {39}, timeout=30)[39].aborted, "keep cannot give it the adapter: aborted, resubmitted"
+    # an adapter exists before the next requests: they carry its LoRARequest, which the update reloads in place
+    second, _ = lora_update(model_dir, version=8)
     second.tensors = {k: v * 1.5 if "lora_B" in k else v for k, v in second.tensors.items()}
-    models = {6: merged_with(model_dir, state, first), 7: merged_with(model_dir, state, second)}
+    models = {7: merged_with(model_dir, state, first), 8: merged_with(model_dir, state, second)}
 
     engine.submit(40, _request(6, LONG))
     _wait_decoding(engine)
     engine.apply_weights(second)
     done = _poll_until(engine, {40})
     for c in done[40].completions:
-        assert [v for v, _, _ in c.version_spans] == [6, 7], c.version_spans
+        assert [v for v, _, _ in c.version_spans] == [7, 8], c.version_spans
         assert _span_logprobs(models, c) <= TOL
+
+
+def test_a_bad_request_fails_alone_and_the_batch_goes_on(engine):
+    engine.submit(50, _request(8, 16))
+    too_long = GenerationRequest(epoch=0, prompt_index=9, prompt={"prompt_ids": [1] * 600}, n=2, max_new_tokens=4)
+    engine.submit(51, too_long)  # longer than max_model_len=512
+    engine.submit(52, GenerationRequest(epoch=0, prompt_index=10, prompt={"prompt_ids": [1, 10_000]}, n=1))
+    done = _poll_until(engine, {50, 51, 52})
+    for key in (51, 52):
+        assert done[key].error is not None and not done[key].completions and not done[key].aborted
+    assert "512" in str(done[51].error), done[51].error
+    assert [c.response_ids.numel() for c in done[50].completions] == [16, 16]
+    assert engine.in_flight() == 0
+    with pytest.raises(RuntimeError, match="in flight"):  # one loop per engine: no static batch under a streamed one
+        engine.submit(53, _request(11, LONG))
+        engine.generate([_request(12, 4)])
+    assert _poll_until(engine, {53})[53].completions
+    (out,) = engine.generate([_request(12, 4)])  # static again once nothing is in flight
+    assert [c.response_ids.numel() for c in out] == [4, 4]
