@@ -46,6 +46,7 @@ __all__ = [
     "group_advantages",
     "load_loss_fn",
     "mismatch_metrics",
+    "normalize_then_sum_advantages",
     "policy_loss",
 ]
 
@@ -109,6 +110,12 @@ class LossConfig:
     (ScaleRL): ``-sg(min(r, epsilon_high)) * A * logp``, aggregated as ``dapo`` (ScaleRL recommends ``epsilon_high``
     5.0); ``sapo``: the soft gate ``-sigmoid(tau (r - 1)) * 4 / tau * A`` with ``tau`` = ``sapo_temperature_pos`` or
     ``_neg`` by the advantage's sign, aggregated as ``grpo``."""
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """TRL's ``multi_objective_aggregation`` with several reward functions: ``sum_then_normalize``: advantages of the
+    weighted sum (``scale_rewards`` applies); ``normalize_then_sum``: each function's rewards normalised within
+    their group first (mean, unbiased std + 1e-4), then weighted and summed, then normalised over the batch of all
+    ranks (``scale_rewards`` is not used), so a function with a wide range cannot drown the others
+    (:func:`normalize_then_sum_advantages`; the recipe passes the ``reward.weights``)."""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """TRL's ``importance_sampling_level``: ``token``: one ratio ``r`` per token; ``sequence`` (GSPO): one per
     sequence, ``exp`` of the mean of the tokens' log-ratios over its valid tokens (GSPO's setup is ``loss_type:
@@ -179,6 +186,9 @@ class LossConfig:
             raise ValueError(f"loss.loss_type={self.loss_type!r} must be one of {LOSS_TYPES}")
         if self.scale_rewards not in SCALE_REWARDS:
             raise ValueError(f"loss.scale_rewards={self.scale_rewards!r} must be one of {SCALE_REWARDS} (or a bool)")
+        if self.multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
+            raise ValueError(f"loss.multi_objective_aggregation={self.multi_objective_aggregation!r} must be "
+                             "'sum_then_normalize' or 'normalize_then_sum'")
         if self.importance_sampling_level not in ("token", "sequence"):
             raise ValueError(f"loss.importance_sampling_level={self.importance_sampling_level!r} must be 'token' or "
                              "'sequence'")
@@ -557,6 +567,65 @@ def load_loss_fn(spec: str) -> Callable[..., Any]:
     return fn
 
 
+def normalize_then_sum_advantages(
+    components: dict[str, torch.Tensor],
+    weights: dict[str, float],
+    group_index: torch.Tensor,
+    *,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """Advantages as TRL 1.16's ``multi_objective_aggregation="normalize_then_sum"`` computes them.
+
+    Per reward function ``k``: ``(r_k - mean_group(r_k)) / (std_group(r_k) + eps)`` over the rows it scored (NaN
+    elsewhere; std unbiased, undefined for one row: that function then adds nothing to the row); the weighted sum
+    over functions (NaN-skipping); then ``(s - mean) / (std + eps)`` over the scored rows of the whole batch, all
+    ranks. Rows no function scored get 0.
+
+    Args:
+        components: ``batch["reward_components"]``: per function name ``[B]`` rewards, NaN where it did not score.
+        weights: the weight of each reward function by name (``reward.weights``); functions of the batch not named
+            here are not rewards (an environment's info) and are left out.
+        group_index: ``[B]`` group of each row.
+        all_reduce: sums a tensor over the data-parallel ranks in place and returns it; None: this batch only.
+        eps: added to each std.
+
+    Returns:
+        float32 ``[B]`` advantages.
+
+    Raises:
+        ValueError: when no function of ``weights`` is in ``components`` (the batch carries no per-function rewards).
+    """
+    names = [n for n in weights if n in components]
+    if not names:
+        raise ValueError(f"loss.multi_objective_aggregation='normalize_then_sum' needs each reward function's rewards "
+                         f"in the batch; reward functions {sorted(weights)}, batch components {sorted(components)}")
+    _, inverse = torch.unique(group_index, return_inverse=True)
+    groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    total = torch.zeros(group_index.shape, dtype=torch.float32, device=group_index.device)
+    scored = torch.zeros(group_index.shape, dtype=torch.bool, device=group_index.device)
+    for name in names:
+        r = components[name].float().to(total.device)
+        keep = r.isfinite()
+        x = torch.where(keep, r, torch.zeros_like(r))
+        count = torch.zeros(groups, device=r.device).index_add_(0, inverse, keep.float())
+        mean = torch.zeros(groups, device=r.device).index_add_(0, inverse, x) / count.clamp(min=1)
+        centered = torch.where(keep, r - mean[inverse], torch.zeros_like(r))
+        sq = torch.zeros(groups, device=r.device).index_add_(0, inverse, centered.square())
+        std = (sq / (count - 1).clamp(min=1)).sqrt()
+        defined = keep & (count[inverse] > 1)  # TRL: NaN std for one row, and nansum skips it
+        total += torch.where(defined, float(weights[name]) * centered / (std[inverse] + eps), torch.zeros_like(r))
+        scored |= keep
+    x = torch.where(scored, total, torch.zeros_like(total))
+    totals = torch.stack([scored.float().sum(), x.sum(), x.square().sum()])
+    totals = all_reduce(totals) if all_reduce is not None else totals
+    n, s, sq = totals.unbind()
+    mean = s / n.clamp(min=1)
+    std = ((sq - s.square() / n.clamp(min=1)) / (n - 1).clamp(min=1)).clamp(min=0).sqrt()
+    std = torch.where(n > 1, std, torch.zeros_like(std))  # TRL: a batch of one row has std 0
+    return torch.where(scored, (total - mean) / (std + eps), torch.zeros_like(total))
+
+
 def truncated_rows(batch: dict[str, Any]) -> torch.Tensor:
     """``[B]`` bool: the rows whose completion hit the length limit (``finish_reason == "length"``)."""
     return torch.tensor([reason == "length" for reason in batch["finish_reasons"]], dtype=torch.bool)
@@ -576,6 +645,7 @@ def compute_loss(
     trainer_version: int | None = None,
     ref_logprobs: torch.Tensor | None = None,
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    reward_weights: dict[str, float] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
     """One step's loss from a collated batch (``datapipes.collate``) and the trainer's logprobs of it.
 
@@ -591,6 +661,9 @@ def compute_loss(
     the reference model's (None unless ``config.beta > 0``). Whatever it returns goes through the update guard
     like the built-in loss: a NaN loss is rejected and the parameters stay as they were.
 
+    ``reward_weights`` (``{function name: weight}``) is needed by ``multi_objective_aggregation:
+    normalize_then_sum``, whose advantages come from the per-function rewards in ``batch["reward_components"]``.
+
     Returns:
         ``(loss, metrics, advantages)``; metrics as :func:`policy_loss`'s, or the user's plus ``loss`` (and
         ``kl``, the token mean of k3, when there are ``ref_logprobs``).
@@ -599,9 +672,18 @@ def compute_loss(
         TypeError: when the user's function returns something other than a scalar tensor (and a dict).
     """
     device = logprobs.device
-    advantages = compute_advantages(batch["rewards"].to(device), batch["group_index"].to(device),
-                                    scale_rewards=str(config.scale_rewards), scored=scored_rows(batch),
-                                    all_reduce=all_reduce)
+    if config.multi_objective_aggregation == "normalize_then_sum":
+        if reward_weights is None:
+            raise ValueError("loss.multi_objective_aggregation='normalize_then_sum' needs reward_weights (the reward "
+                             "functions' names and weights; the recipe passes reward.weights)")
+        advantages = normalize_then_sum_advantages(batch.get("reward_components", {}), reward_weights,
+                                                   batch["group_index"].to(device), all_reduce=all_reduce)
+        if not batch["rewards"].isfinite().all():  # a non-finite reward stays visible to the update guard
+            advantages = advantages + batch["rewards"].to(device) * 0
+    else:
+        advantages = compute_advantages(batch["rewards"].to(device), batch["group_index"].to(device),
+                                        scale_rewards=str(config.scale_rewards), scored=scored_rows(batch),
+                                        all_reduce=all_reduce)
     mask = batch["loss_mask"].to(device)
     if config.fn is None:
         loss, metrics = policy_loss(

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from asyncrl.losses import LossConfig, compute_advantages, compute_loss, policy_loss
+from asyncrl.losses import (LossConfig, compute_advantages, compute_loss, normalize_then_sum_advantages,
+                            policy_loss)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # the fixed batch: 2 groups of 2 rows, 3 positions, response lengths 3, 1, 2, 1
@@ -305,3 +306,63 @@ def test_old_names_still_work():
 def test_a_nan_reward_is_not_hidden_from_the_guard():
     adv = compute_advantages(torch.tensor([1.0, math.nan, 2.0, 0.0]), GROUPS, scale_rewards="group")
     assert adv[:2].isnan().all() and adv[2:].isfinite().all()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# multi_objective_aggregation: normalize_then_sum
+
+
+def _trl_normalize_then_sum(per_func: torch.Tensor, weights: torch.Tensor, n: int) -> torch.Tensor:
+    """TRL 1.16's lines (``GRPOTrainer._generate_and_score_completions``, ``normalize_then_sum``), on ``[B, K]``
+    rewards with NaN where a function did not score and groups of ``n`` consecutive rows."""
+    def nanstd(t, dim=None, keepdim=False):  # trl.trainer.utils.nanstd
+        mean = torch.nanmean(t, dim=dim, keepdim=True)
+        var = torch.nanmean((t - mean) ** 2, dim=dim, keepdim=True)
+        count = torch.sum(~torch.isnan(t), dim=dim, keepdim=True)
+        var = var * torch.where(count > 1, count / (count - 1), torch.full_like(count.float(), float("nan")))
+        std = var.sqrt()
+        return std if keepdim else (std.squeeze() if dim is None else std.squeeze(dim))
+
+    unscorable = torch.isnan(per_func).all(dim=1)
+    grouped = per_func.view(-1, n, per_func.shape[1])
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = nanstd(grouped, dim=1, keepdim=True)
+    reward_k = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, per_func.shape[1])
+    rewards = (reward_k * weights.unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable] = torch.nan
+    std = nanstd(rewards).expand_as(rewards)
+    return torch.nan_to_num((rewards - torch.nanmean(rewards)) / (std + 1e-4), nan=0.0)
+
+
+def test_normalize_then_sum_matches_trls_formula():
+    nan = float("nan")
+    # 3 groups of 3; two functions on very different scales; function b skips some rows; row 8 is unscored
+    a = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, nan])
+    b = torch.tensor([40.0, 90.0, nan, 10.0, 12.0, 11.0, nan, 100.0, nan])
+    weights = {"a": 1.0, "b": 0.5}
+    groups = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2])
+    ours = normalize_then_sum_advantages({"a": a, "b": b, "env_info": torch.ones(9)}, weights, groups)
+    expected = _trl_normalize_then_sum(torch.stack([a, b], 1), torch.tensor([1.0, 0.5]), 3)
+    torch.testing.assert_close(ours, expected)
+    assert ours[8] == 0  # nothing scored it
+    # across ranks: the batch mean/std count the other rank's rows; here the other rank is this batch again
+    twice = normalize_then_sum_advantages({"a": a, "b": b}, weights, groups, all_reduce=lambda t: t * 2)
+    expected2 = _trl_normalize_then_sum(torch.stack([a, b], 1).repeat(2, 1), torch.tensor([1.0, 0.5]), 3)[:9]
+    torch.testing.assert_close(twice, expected2)
+
+
+def test_normalize_then_sum_through_compute_loss():
+    batch = {"rewards": torch.tensor([1.0, 0.0, 3.0, 1.0]), "group_index": GROUPS, "loss_mask": MASK,
+             "rollout_logprobs": LP, "token_versions": torch.zeros_like(LP, dtype=torch.long),
+             "reward_components": {"a": torch.tensor([1.0, 0.0, 1.0, 0.0]), "b": torch.tensor([0.0, 0.0, 2.0, 1.0])},
+             "finish_reasons": ["stop"] * 4}
+    config = LossConfig(multi_objective_aggregation="normalize_then_sum", correction="none")
+    _, _, adv = compute_loss(batch, LP.clone().requires_grad_(True), config=config, reward_weights={"a": 1, "b": 1})
+    torch.testing.assert_close(adv, normalize_then_sum_advantages(batch["reward_components"], {"a": 1, "b": 1}, GROUPS))
+    with pytest.raises(ValueError, match="reward_weights"):
+        compute_loss(batch, LP.clone().requires_grad_(True), config=config)
+    with pytest.raises(ValueError, match="batch components"):
+        compute_loss(batch, LP.clone().requires_grad_(True), config=config, reward_weights={"math": 1.0})
+    nan_batch = {**batch, "rewards": torch.full((4,), float("nan"))}  # the guard's injected NaN stays visible
+    _, _, adv = compute_loss(nan_batch, LP.clone().requires_grad_(True), config=config, reward_weights={"a": 1, "b": 1})
+    assert adv.isnan().all()
