@@ -76,6 +76,7 @@ __all__ = [
     "make_format_reward",
     "math_reward",
     "reasoning_gym_reward",
+    "reward_weights",
 ]
 
 UNSCORED = "unscored"
@@ -118,6 +119,14 @@ def load_reward_func(spec: str) -> tuple[str, Callable[..., Any]]:
     if not callable(fn):
         raise TypeError(f"reward function {spec!r}: {module} has no callable {attr!r}")
     return getattr(fn, "__name__", attr), fn
+
+
+def reward_weights(config: Any) -> dict[str, float]:
+    """``{name: weight}`` of a :class:`~asyncrl.config.RewardConfig`'s functions, under the names their rewards are
+    logged with (the trainer's side of ``loss.multi_objective_aggregation: normalize_then_sum``)."""
+    names = [load_reward_func(spec)[0] for spec in config.funcs]
+    weights = config.weights if config.weights is not None else [1.0] * len(names)
+    return {name: float(w) for name, w in zip(names, weights)}
 
 
 # ---------------------------------------------------------------------------------------------------------------------

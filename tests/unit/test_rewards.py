@@ -212,3 +212,11 @@ def test_components_are_collated_recorded_and_averaged():
                          update_ratio=0.0)
     assert record["dist"]["reward/judge"]["n"] == 1 and record["dist"]["reward/judge"]["nonfinite"] == 0
     assert record["dist"]["reward/format"]["mean"] == 0.5
+
+
+def test_reward_weights_by_logged_name():
+    from asyncrl.config import RewardConfig
+    from asyncrl.rewards import reward_weights
+
+    assert reward_weights(RewardConfig(funcs=["math", "format"], weights=[1.0, 0.25])) == {"math": 1.0, "format": 0.25}
+    assert reward_weights(RewardConfig(funcs=["workers.rewards:fake_reward"])) == {"fake_reward": 1.0}
