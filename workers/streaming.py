@@ -102,6 +102,8 @@ class StreamingLoop:
             self._submit_waiting()
             if self.in_flight and w.engine.in_flight():
                 self._finished(w.engine.poll(ADMIT_POLL_S if free > 0 else POLL_S))
+            elif self.in_flight:  # the engine holds none of them: an engine bug; never spin, never lose a lease
+                self._lost()
             elif self.waiting:
                 time.sleep(ADMIT_POLL_S)  # nothing decoding: only weights for a waiting lease can change things
             if busy:
@@ -163,6 +165,16 @@ class StreamingLoop:
             update = self.w.weights.poll()
             if update is not None:
                 self.w.apply_staged_weights(update)
+
+    def _lost(self) -> None:
+        w = self.w
+        w._throttle.error("requests_lost", "worker %s: the engine holds none of the %d requests submitted and not "
+                          "returned (Engine.in_flight() == 0); submitting them again", w.worker_id, len(self.in_flight))
+        entries, self.in_flight = list(self.in_flight.values()), {}
+        for entry in entries:
+            w.groups_resubmitted += 1
+            self._submit(entry.lease)
+        time.sleep(ADMIT_POLL_S)
 
     # -- completion ------------------------------------------------------------------------------------------
 

@@ -256,3 +256,20 @@ def test_groups_of_an_old_incarnation_are_not_sent_but_generated_again():
     w.run()
     assert sorted(lid for lid, _ in sender.groups) == [1, 2, 3] and w.groups_resubmitted == 3
     assert all(r.incarnation == "new" and not r.version_spans for _, g in sender.groups for r in g.rollouts)
+
+
+def test_a_request_the_engine_loses_is_submitted_again_not_waited_for():
+    class Losing(FakeEngine):
+        lost = 0
+
+        def submit(self, key, request):
+            if not self.lost:  # swallowed: never in flight, never returned by poll
+                self.lost += 1
+                return
+            super().submit(key, request)
+
+    engine = Losing(EngineConfig(seconds_per_token=SPT, min_new_tokens=2, max_new_tokens=20))
+    sender = StreamSender([_lease(0), _lease(1)])
+    w = _worker(engine, sender, slots=2)
+    w.run()
+    assert sorted(lid for lid, _ in sender.groups) == [1, 2] and w.groups_resubmitted == 1
