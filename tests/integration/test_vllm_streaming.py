@@ -10,7 +10,8 @@
   submission of it is generated whole under the new weights;
 * an in-flight LoRA update (``keep``): the adapter reaches the requests in flight (and a request submitted before
   the engine had any adapter comes back aborted);
-* a request vLLM refuses (too long, a token outside the vocabulary) fails alone; the others go on.
+* a request vLLM refuses (too long, a token outside the vocabulary) fails alone; the others go on; a failing
+  engine step fails the groups in flight with its error, and the engine serves the next ones.
 """
 
 from __future__ import annotations
@@ -253,3 +254,21 @@ def test_a_bad_request_fails_alone_and_the_batch_goes_on(engine):
     assert _poll_until(engine, {53})[53].completions
     (out,) = engine.generate([_request(12, 4)])  # static again once nothing is in flight
     assert [c.response_ids.numel() for c in out] == [4, 4]
+
+
+def test_a_failing_engine_step_fails_the_groups_in_flight_with_its_error(engine, monkeypatch):
+    llm_engine = engine._streamer._engine
+    engine.submit(60, _request(13, LONG))
+    engine.submit(61, _request(14, LONG))
+    _wait_decoding(engine)
+
+    def broken_step():
+        raise RuntimeError("simulated: the model runner crashed")
+
+    engine._on_engine(lambda: monkeypatch.setattr(llm_engine, "step", broken_step))
+    done = _poll_until(engine, {60, 61}, timeout=30)
+    assert all("simulated" in str(f.error) and not f.completions for f in done.values())
+    assert engine.in_flight() == 0
+    engine._on_engine(monkeypatch.undo)
+    engine.submit(62, _request(15, 3))  # the failed requests were aborted in vLLM: the next one runs alone
+    assert [c.response_ids.numel() for c in _poll_until(engine, {62})[62].completions] == [3, 3]

@@ -22,6 +22,14 @@ so every output reports per-token ``weight_versions`` spans and the rollout's ve
 from vLLM, not assumed. The engine runs in-process by default (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
 ~3 s start-up instead of ~25 s for a tiny model on CPU).
 
+Two loops on one ``vllm.LLM``: :meth:`VLLMEngine.generate` (static batches, ``worker.streaming: false``) and the
+streaming interface (``submit`` / ``poll``, ``worker.streaming: true``): the first ``submit`` starts an engine thread
+(:mod:`workers.engines.vllm_stream`) that steps the ``LLM``'s own ``LLMEngine`` request by request and owns every
+call into vLLM from then on; weight updates then apply in flight (``engine.weights_in_flight``: ``keep`` preempts
+and recomputes the requests in flight under the new weights, ``abort`` returns them aborted). That module is the
+vLLM implementation of partial rollouts: no re-submission. Both loops share the sampling parameters
+(:meth:`VLLMEngine._params`), the completion building, the LoRA adapter directory and the version labels.
+
 Long-tailed workloads (benchmarks): with ``engine.ignore_eos`` no stop token ends a response
 (``SamplingParams(ignore_eos=True)``, no ``stop_token_ids``) and each sample becomes a request of its own
 with ``max_tokens`` = its target length from :func:`workers.engines.hf.length_targets` (the same
@@ -106,6 +114,9 @@ class VLLMEngine(Engine):
         )
         self.tokenizer = self.llm.get_tokenizer()
         self._stop_ids = {*config.stop_token_ids, self.tokenizer.eos_token_id} - {None}
+        self.streaming = hasattr(self.llm.llm_engine.engine_core, "engine_core")
+        """The streaming interface needs vLLM's engine core in this process (``VLLMStreamer``): not with
+        ``VLLM_ENABLE_V1_MULTIPROCESSING=1``, whose engine core steps by itself in another process."""
         self.policy_version = 0
         self.llm.update_weight_version("0")
         self._lora_dir: Path | None = None

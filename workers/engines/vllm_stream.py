@@ -56,6 +56,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,13 +125,15 @@ class VLLMStreamer:
         self.aborted_groups = 0
         """Groups aborted by in-flight updates (returned as ``Finished(aborted=True)``)."""
         self._stop = False
+        self._died: BaseException | None = None
+        """What ended the engine thread, if not close()."""
         self._thread = threading.Thread(target=self._run, name="asyncrl-vllm-stream", daemon=True)
         self._thread.start()
 
     # -- any thread -------------------------------------------------------------------------------------------
     def submit(self, key: int, prompt_ids: list[int], jobs: list[tuple[str, Any]], lora: Any) -> None:
         if not self._thread.is_alive():
-            raise RuntimeError("the vLLM engine thread has stopped")
+            raise RuntimeError("the vLLM engine thread has stopped") from self._died
         with self._count_lock:
             self._in_flight += 1
         self._commands.put(("add", _Group(key=key, prompt_ids=prompt_ids, jobs=jobs, lora=lora)))
@@ -152,12 +155,21 @@ class VLLMStreamer:
             return self._in_flight
 
     def call(self, fn: Callable[[], Any]) -> Any:
-        """Runs ``fn`` on the engine thread between two steps and returns its result (re-raises its error)."""
+        """Runs ``fn`` on the engine thread between two steps and returns its result (re-raises its error).
+
+        Raises:
+            RuntimeError: the engine thread has stopped (closed, or died: its error is the cause).
+        """
         if threading.current_thread() is self._thread:
             return fn()
         future: Future = Future()
         self._commands.put(("call", (fn, future)))
-        return future.result()
+        while True:
+            try:
+                return future.result(timeout=1.0)
+            except FutureTimeout:  # a load or a long step; or the thread died before taking it: nobody will answer
+                if not self._thread.is_alive():
+                    self._reject_commands()
 
     def update(self, mode: str, load: Callable[[], None], lora: bool) -> None:
         """Applies a weight update with requests in flight (see the module): pauses, ``load()``s, resumes."""
@@ -173,6 +185,31 @@ class VLLMStreamer:
 
     # -- the engine thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # thread boundary: fail everything in flight and every waiting caller
+            logger.exception("the vLLM engine thread died; failing %d groups in flight", len(self._groups))
+            self._died = e
+            for group in list(self._groups.values()):
+                self._groups.pop(group.key, None)
+                self._finished.put(_Done(key=group.key, error=RuntimeError(f"the vLLM engine thread died: {e!r}")))
+        finally:
+            self._reject_commands()
+
+    def _reject_commands(self) -> None:
+        """Commands nobody will run any more: calls fail, submitted groups come back failed."""
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            error = RuntimeError("the vLLM engine thread has stopped")
+            if kind == "call":
+                arg[1].set_exception(error)
+            elif kind == "add":
+                self._finished.put(_Done(key=arg.key, error=error))
+
+    def _loop(self) -> None:
         while not self._stop:
             try:
                 cmd = self._commands.get(timeout=IDLE_WAIT_S) if not self._groups else self._commands.get_nowait()
