@@ -26,15 +26,17 @@ import torch
 from asyncrl.check import CheckContext, StageResult
 from asyncrl.check._policy import build_policy, digest, first_difference, fixed_batch, full_tensors, import_all
 
-__all__ = ["FORWARD_MAX_ABS", "run"]
+__all__ = ["run"]
 
-FORWARD_MAX_ABS = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
-"""``parallel.forward_max_abs`` when the runner's table does not give it: forward logits, any rank vs one process."""
 TIMEOUT_S = 600.0
 
 
 def _threshold(ctx: CheckContext) -> float:
-    return float(ctx.thresholds.get("parallel.forward_max_abs", FORWARD_MAX_ABS.get(ctx.dtype, 2e-2)))
+    """``parallel.forward_max_abs`` from ``ctx.thresholds``, else the dtype's default."""
+    from asyncrl.check.thresholds import DEFAULTS
+
+    return float(ctx.thresholds.get("parallel.forward_max_abs",
+                                    DEFAULTS.get(ctx.dtype, DEFAULTS["bfloat16"])["parallel.forward_max_abs"]))
 
 
 def _reference(ctx: CheckContext, work: Path) -> tuple[dict[str, str], dict[str, Any]]:

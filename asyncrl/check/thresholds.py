@@ -18,7 +18,13 @@ Sources of the numbers:
 * ``parallel.*`` / ``checkpoint.*``: bit for bit (the issue's contract: a full tensor equals the
   single-process one, a resharded load equals the save); ``parallel.forward_max_abs`` allows the
   all-reduce order of a sharded forward: fp32 1e-5, bf16 1e-2 (rounding of one bf16 ulp at logit scale).
-* ``loss.*``: stage ``loss``'s own (engineer F's rows).
+* ``loss.pad_max_abs``: one row's logprobs unpadded vs left- and right-padded, and a batch's loss and logprobs with
+  extra padding columns and other tokens at its pad positions: the tiny models measure 0 to 5e-7 in fp32 (the
+  gate 1e-5 is 20x that); bf16 rounds a logit to ~1e-2, the gate 5e-2. A position or padding mistake moves
+  logprobs by 0.1 or more.
+* ``loss.grad_norm_max``: a layer's gradient norm on one GRPO step above which it is an offender (exploding):
+  the tiny models' layers measure 1e-2..0.6; 1e4 flags only a real blow-up. NaN/inf and exactly-zero gradients
+  fail regardless.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ _FP32 = {
     "parallel.max_abs": 0.0,
     "parallel.forward_max_abs": 1e-5,
     "checkpoint.max_abs": 0.0,
+    "loss.pad_max_abs": 1e-5,
+    "loss.grad_norm_max": 1e4,
 }
 _BF16 = {
     "logprobs.max_abs": 0.1,
@@ -44,6 +52,8 @@ _BF16 = {
     "parallel.max_abs": 0.0,
     "parallel.forward_max_abs": 1e-2,
     "checkpoint.max_abs": 0.0,
+    "loss.pad_max_abs": 5e-2,
+    "loss.grad_norm_max": 1e4,
 }
 DEFAULTS: dict[str, dict[str, float]] = {"float32": _FP32, "bfloat16": _BF16, "float16": _BF16}
 """Per dtype: ``{"stage.key": value}`` (see the module docstring for each number's source)."""
