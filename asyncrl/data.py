@@ -5,9 +5,11 @@
     data.source = datasets       ──► datasets.load_dataset(json | parquet | csv | arrow | a hub name)
                   reasoning_gym  ──► reasoning_gym.create_dataset(task, size, seed)   rows: question, answer, metadata
                   arithmetic     ──► workers.tasks.arithmetic_prompts (the embedded task)
-          │ each row: the prompt column (text, or chat ``messages``) + other columns
+                  visual_count   ──► workers.visual_task.visual_count_prompts (Pillow images, "how many red squares?")
+          │ each row: the prompt column (text, or chat ``messages``) + other columns (+ ``images``: bytes or paths)
           ▼
     render_prompt(prompt, tokenizer)  ──► prompt_ids (chat template with add_generation_prompt=True, or bos + text)
+    image rows: the model's processor ──► prompt_ids with its image placeholders; ``images`` kept as bytes
           │ drop (and count) prompts longer than ``max_prompt_length`` tokens
           ▼
     PromptSet: items {"prompt_ids": [...], "prompt": text | "messages": turns, **other columns}   (msgpack-able)
@@ -47,10 +49,13 @@ DEFAULT_NUM_PROMPTS = 1024
 class DataConfig:
     """Where the prompts come from and how they become token ids (``asyncrl.data``)."""
 
-    source: Literal["arithmetic", "datasets", "reasoning_gym"] = "arithmetic"
+    source: Literal["arithmetic", "datasets", "reasoning_gym", "visual_count"] = "arithmetic"
     """``arithmetic``: the embedded task (``workers.tasks``, text prompts with an ``answer``); ``datasets``: a
     file, directory or hub dataset loaded with ``datasets.load_dataset`` (``path``); ``reasoning_gym``: a
-    procedural task of reasoning-gym (``task``), rows ``question`` (the prompt), ``answer``, ``metadata``."""
+    procedural task of reasoning-gym (``task``), rows ``question`` (the prompt), ``answer``, ``metadata``;
+    ``visual_count``: "how many red squares?" over a Pillow image (:mod:`workers.visual_task`), for a
+    vision-language model. A row of any source may carry ``images`` (encoded bytes or paths) referenced by
+    ``{"type": "image"}`` parts of its chat ``messages``: rendered with the model's processor."""
     path: str | None = None
     """``datasets``: a local file (``.jsonl``, ``.json``, ``.parquet``, ``.csv``, ``.arrow``), a directory of such
     files, or a hub dataset name (needs the network)."""
@@ -198,10 +203,16 @@ def load_prompts(config: DataConfig, tokenizer: Any) -> PromptSet:
             a prompt of the wrong type, a value that cannot travel (not msgpack-able), or no prompt left after
             ``max_prompt_length``.
     """
+    processor = None
     if isinstance(tokenizer, (str, os.PathLike)):
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+        from workers.engines._multimodal import load_processor
+
+        processor = load_processor(str(tokenizer))
+        tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(str(tokenizer))
+    elif hasattr(tokenizer, "image_processor"):  # a processor given as the tokenizer
+        processor, tokenizer = tokenizer, tokenizer.tokenizer
     rows, origin, prompt_column = _rows(config)
     if not rows:
         raise ValueError(f"{origin}: no rows (is the file empty?)")
@@ -214,7 +225,7 @@ def load_prompts(config: DataConfig, tokenizer: Any) -> PromptSet:
         raise ValueError(f"{origin}: no column(s) {missing} (data.columns); its columns are {sorted(rows[0])}")
     items, too_long, longest = [], 0, 0
     for i, row in enumerate(rows):
-        item = _item(row, i, column, keep, tokenizer, config, origin)
+        item = _item(row, i, column, keep, tokenizer, config, origin, processor)
         n = len(item["prompt_ids"])
         if config.max_prompt_length is not None and n > config.max_prompt_length:
             too_long, longest = too_long + 1, max(longest, n)
@@ -230,12 +241,20 @@ def load_prompts(config: DataConfig, tokenizer: Any) -> PromptSet:
 
 
 def _item(row: dict[str, Any], i: int, column: str, keep: list[str] | None, tokenizer: Any, config: DataConfig,
-          origin: str) -> dict[str, Any]:
+          origin: str, processor: Any = None) -> dict[str, Any]:
     import msgpack
 
     prompt = row.get(column)
     try:
-        if column == PROMPT_IDS:
+        if row.get("images"):
+            from asyncrl.images import ImageError, image_bytes, render_image_prompt
+
+            try:
+                row = {**row, "images": [image_bytes(x) for x in row["images"]]}
+                ids = render_image_prompt(prompt, row["images"], processor, system_prompt=config.system_prompt)
+            except ImageError as e:
+                raise ValueError(f"column 'images': {e}") from None
+        elif column == PROMPT_IDS:
             if not isinstance(prompt, (list, tuple)) or not prompt or not all(isinstance(t, int) for t in prompt):
                 raise ValueError(f"prompt_ids must be a non-empty list of ints, got {prompt!r:.100}")
             ids = list(prompt)
@@ -244,7 +263,7 @@ def _item(row: dict[str, Any], i: int, column: str, keep: list[str] | None, toke
     except ValueError as e:
         raise ValueError(f"{origin}: row {i}, column {column!r}: {e}") from None
     key = "prompt" if isinstance(prompt, str) or column == PROMPT_IDS else "messages"
-    others = {k: v for k, v in row.items() if k not in (column, key, PROMPT_IDS) and (keep is None or k in keep)}
+    others = {k: v for k, v in row.items() if k not in (column, key, PROMPT_IDS) and (keep is None or k in keep or k == "images")}
     item = {PROMPT_IDS: ids, **({key: prompt} if column != PROMPT_IDS else {}), **others}
     try:
         msgpack.packb(item)
@@ -267,6 +286,11 @@ def _packs(value: Any) -> bool:
 
 def _rows(config: DataConfig) -> tuple[list[dict[str, Any]], str, str | None]:
     """``(rows, origin, prompt column or None)`` of the configured source."""
+    if config.source == "visual_count":
+        from workers.visual_task import visual_count_prompts
+
+        n = config.num_prompts or DEFAULT_NUM_PROMPTS
+        return visual_count_prompts(n, seed=config.seed), "visual_count task", "messages"
     if config.source == "arithmetic":
         from workers.tasks import arithmetic_prompts
 

@@ -6,7 +6,9 @@ checks what a well-formed but hostile or broken worker can still send, against :
 * rewards (and reward components) finite in float32, the batch dtype (1e39 is finite in float64 and
   inf once collated), and ``|reward| <= gate.max_abs_reward``;
 * token ids, prompt and response, in ``[0, gate.vocab_size)`` (always ``[0, 2**31)``);
-* logprobs in ``[gate.min_logprob, gate.logprob_tolerance]`` (a logprob of -1e30 is refused).
+* logprobs in ``[gate.min_logprob, gate.logprob_tolerance]`` (a logprob of -1e30 is refused);
+* images (of image prompts) decode with Pillow within :mod:`asyncrl.images`' size limits and match their
+  provenance (``metadata["images"]``: sha256 and size), counted as ``image_corrupt``.
 
 Ownership (a group only from the worker that holds, or held, its lease) is checked by the receiver
 against the pool (:meth:`~asyncrl.pool.RolloutPool.held_by`); the policy-version and incarnation
@@ -21,6 +23,7 @@ import numpy as np
 
 from asyncrl.codec import DecodeError
 from asyncrl.config import GateConfig
+from asyncrl.images import ImageError, verify_images
 from asyncrl.rollout import Group, Rollout
 
 __all__ = ["FLOAT32_MAX", "GateError", "check_group"]
@@ -50,7 +53,7 @@ def check_group(group: Group, gate: GateConfig) -> None:
 
 
 def check_rollout(r: Rollout, gate: GateConfig) -> None:
-    """Checks one rollout's reward, token ids and logprobs (see the module docstring).
+    """Checks one rollout's reward, token ids, logprobs and images (see the module docstring).
 
     Raises:
         GateError: naming the rollout, the value and the setting it violates.
@@ -86,3 +89,8 @@ def check_rollout(r: Rollout, gate: GateConfig) -> None:
                 f"[gate.min_logprob={gate.min_logprob}, gate.logprob_tolerance={gate.logprob_tolerance}]",
                 r.uid,
             )
+    if r.images:
+        try:
+            verify_images(r.images, r.metadata.get("images"), what=who)
+        except ImageError as e:
+            raise GateError("image_corrupt", str(e), r.uid) from None

@@ -83,6 +83,7 @@ def token_logprobs(
     top_k: int = 0,
     top_p: float = 1.0,
     grad: bool = False,
+    images: Mapping[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Teacher-forced sampling logprob of every token of a right-padded batch.
 
@@ -92,6 +93,9 @@ def token_logprobs(
         attention_mask: ``[B, L]`` 1/True at real tokens.
         temperature, top_k, top_p: the engine's sampling parameters.
         grad: keep the autograd graph (training); False runs under ``torch.no_grad``.
+        images: for a vision-language model, the rows' image tensors in row order (``pixel_values``, ...:
+            :func:`asyncrl.images.processor_inputs` of ``batch["images"]``, the bytes the engines were given);
+            the image placeholder tokens are prompt tokens, outside every ``loss_mask``.
 
     Returns:
         float32 ``[B, L]`` on the model's device: ``out[b, t]`` = logprob of ``input_ids[b, t]`` given
@@ -105,7 +109,8 @@ def token_logprobs(
     input_ids = input_ids.to(device=device, dtype=torch.long)
     mask = attention_mask.to(device=device, dtype=torch.long)
     with torch.set_grad_enabled(grad):
-        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids(mask)).logits
+        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids(mask),
+                       **(images or {})).logits
         logp = sampling_logprobs(logits[:, :-1], temperature=temperature, top_k=top_k, top_p=top_p)
         picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
         picked = torch.where(mask[:, 1:].bool(), picked, torch.zeros_like(picked))
@@ -144,12 +149,25 @@ def batch_sampling(batch: Mapping[str, Any], expected: Mapping[str, Any] | None 
 
 
 def batch_logprobs(model: torch.nn.Module, batch: Mapping[str, Any], *, grad: bool = False,
-                   expected: Mapping[str, Any] | None = None) -> torch.Tensor:
-    """:func:`token_logprobs` of a ``TrainBatch`` under the sampling settings it carries (:func:`batch_sampling`).
+                   expected: Mapping[str, Any] | None = None, processor: Any = None) -> torch.Tensor:
+    """:func:`token_logprobs` of a ``TrainBatch`` under the sampling settings it carries (:func:`batch_sampling`);
+    a batch of image prompts needs the model's ``processor``, which re-runs on the rollouts' image bytes.
+
+    Raises:
+        ValueError: see :func:`batch_sampling`; a batch with images and no processor.
 
     Returns:
         float32 ``[B, L]`` aligned to ``batch["input_ids"]``, on the model's device.
     """
     s = batch_sampling(batch, expected)
+    images = None
+    if any(batch.get("images") or []):
+        if processor is None:
+            raise ValueError("this batch has image prompts: pass the model's processor (AutoProcessor of the model "
+                             "directory) so their pixel inputs are recomputed")
+        from asyncrl.images import processor_inputs
+
+        p = next(model.parameters())
+        images = processor_inputs(processor, batch["images"], device=p.device, dtype=p.dtype)
     return token_logprobs(model, batch["input_ids"], batch["attention_mask"], temperature=s["temperature"],
-                          top_k=s["top_k"], top_p=s["top_p"], grad=grad)
+                          top_k=s["top_k"], top_p=s["top_p"], grad=grad, images=images)

@@ -46,11 +46,20 @@ _WIRE_KEYS = frozenset(
         "metadata",
     }
 )
-_OPTIONAL_WIRE_KEYS = frozenset({"incarnation", "sampling"})
-"""Keys a rollout may omit on the wire (older senders): ``incarnation`` defaults to ``""``, ``sampling`` to None."""
+_OPTIONAL_WIRE_KEYS = frozenset({"incarnation", "sampling", "images"})
+"""Keys a rollout may omit on the wire (older senders, text prompts): ``incarnation`` defaults to ``""``,
+``sampling`` to None, ``images`` to none."""
 SAMPLING_KEYS = ("temperature", "top_k", "top_p")
 """The sampling settings a rollout reports (what the trainer's logprobs must be computed under)."""
 MAX_INCARNATION_CHARS = 64
+
+
+def _images(v: Any) -> list[bytes]:
+    from asyncrl.images import MAX_IMAGES
+
+    if not isinstance(v, list) or len(v) > MAX_IMAGES or not all(isinstance(x, bytes) for x in v):
+        raise DecodeError(f"images must be a list of at most {MAX_IMAGES=} byte strings, got {v!r:.100}")
+    return v
 
 
 def spans_of(versions: list[int]) -> list[tuple[int, int, int]]:
@@ -115,6 +124,9 @@ class Rollout:
     sampling: dict[str, Any] | None = None
     """``{"temperature", "top_k", "top_p"}`` its engine sampled with (``logprobs`` are under them, and so must the
     trainer's be: :func:`asyncrl.logprobs.batch_logprobs`); None = not reported (an older sender)."""
+    images: list[bytes] = field(default_factory=list)
+    """The prompt's images, encoded, exactly the bytes the engine was given (:mod:`asyncrl.images`); their
+    provenance (sha256, size) is ``metadata["images"]``. The trainer recomputes logprobs from these."""
 
     @property
     def uid(self) -> str:
@@ -130,7 +142,7 @@ class Rollout:
 
     @property
     def nbytes(self) -> int:
-        n = self.prompt_ids.nbytes + self.response_ids.nbytes + self.logprobs.nbytes
+        n = self.prompt_ids.nbytes + self.response_ids.nbytes + self.logprobs.nbytes + sum(map(len, self.images))
         return n + (self.loss_mask.nbytes if self.loss_mask is not None else 0)
 
     def spans(self) -> list[tuple[int, int, int]]:
@@ -158,6 +170,7 @@ class Rollout:
             "timings": dict(self.timings),
             "metadata": dict(self.metadata),
             **({"sampling": dict(self.sampling)} if self.sampling is not None else {}),
+            **({"images": list(self.images)} if self.images else {}),
         }
 
     @classmethod
@@ -190,6 +203,7 @@ class Rollout:
             timings={_key(k): _finite(v, f"timings[{k!r}]") for k, v in _map(d, "timings").items()},
             metadata=_map(d, "metadata"),
             sampling=_sampling(d["sampling"]) if d.get("sampling") is not None else None,
+            images=_images(d.get("images", [])),
         )
         uid, group_id = d["uid"], d["group_id"]
         if not isinstance(uid, str) or not isinstance(group_id, str) or uid != r.uid or group_id != r.group_id:

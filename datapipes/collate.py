@@ -15,7 +15,8 @@ configured differently) carries the list of distinct settings instead, which tha
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+import hashlib
+from typing import Any, NotRequired, TypedDict
 
 import torch
 
@@ -68,6 +69,11 @@ class TrainBatch(TypedDict):
     finish_reasons: list[str]
     num_tokens: int
     """Real tokens in the batch."""
+    images: NotRequired[list[list[bytes]]]
+    """Only in a batch with image prompts: per row, the encoded images its engine was given (``Rollout.images``);
+    :func:`asyncrl.logprobs.batch_logprobs` re-runs the model's processor on them."""
+    image_sha256: NotRequired[list[list[str]]]
+    """Only with ``images``: per row, each image's SHA-256 (provenance, as in the rollout's ``metadata``)."""
 
 
 def collate_groups(groups: list[Group], pad_token_id: int = 0) -> TrainBatch:
@@ -109,7 +115,16 @@ def collate_groups(groups: list[Group], pad_token_id: int = 0) -> TrainBatch:
         "worker_ids": [r.worker_id for r in rollouts],
         "finish_reasons": [r.finish_reason for r in rollouts],
         "num_tokens": sum(lengths),
+        **_images(rollouts),
     }
+
+
+def _images(rollouts: list) -> dict[str, Any]:
+    """``images`` and ``image_sha256`` per row, for a batch with at least one image prompt; else nothing."""
+    if not any(r.images for r in rollouts):
+        return {}
+    return {"images": [list(r.images) for r in rollouts],
+            "image_sha256": [[hashlib.sha256(x).hexdigest() for x in r.images] for r in rollouts]}
 
 
 def _components(rollouts: list) -> dict[str, torch.Tensor]:

@@ -43,6 +43,7 @@ from typing import Any
 
 from asyncrl._logging import Throttle
 from asyncrl.config import FaultConfig, TransportConfig, WorkerConfig
+from asyncrl.images import image_provenance, prompt_images
 from asyncrl.rewards import RewardError, RewardSet
 from asyncrl.rollout import Group, Rollout, make_group_id
 from asyncrl.transport import ReceivedLease, RolloutSender, setup_rollout_sender
@@ -330,6 +331,8 @@ class RolloutWorker:
                generate_s: float, reward_s: float) -> Group:
         rollouts = []
         group_id = make_group_id(lease.epoch, lease.prompt_index)
+        images = prompt_images(lease.prompt)  # image prompts: the bytes the engine used travel back, with hashes
+        provenance = {"images": [image_provenance(x) for x in images]} if images else {}
         for sample, (c, (reward, components)) in enumerate(zip(completions, scores)):
             if faults.affects_group(self.fault, group_id, lease.lease_id, c.policy_version):  # injected fault
                 faults.corrupt_completion(self.fault, c)
@@ -350,8 +353,9 @@ class RolloutWorker:
                 reward_components=components,
                 finish_reason=c.finish_reason,
                 timings={"generate": generate_s, "reward": reward_s},
-                metadata={"attempt_lease": lease.lease_id},
+                metadata={"attempt_lease": lease.lease_id, **provenance},
                 sampling=self._sampling,
+                images=images,
             )
             rollouts.append(r)  # validated by the pool on arrival (the one gate for every sender)
         return Group(epoch=lease.epoch, prompt_index=lease.prompt_index, rollouts=rollouts)

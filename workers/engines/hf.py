@@ -37,6 +37,7 @@ import torch
 
 from asyncrl.config import EngineConfig
 from workers.engines.base import Completion, Engine, Finished, GenerationRequest, prompt_token_ids
+from workers.engines._multimodal import hf_image_inputs, load_causal_lm, load_processor
 
 __all__ = ["HFEngine", "length_targets"]
 
@@ -84,7 +85,7 @@ class HFEngine(Engine):
     streaming = True
 
     def __init__(self, config: EngineConfig):
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers import AutoTokenizer, GenerationConfig
 
         if config.type != "hf" or not config.model:
             raise ValueError(f"HFEngine needs engine.type='hf' and engine.model, got {config.type=} {config.model=}")
@@ -99,7 +100,9 @@ class HFEngine(Engine):
 
             self.model = load_quantized_base(config.model, dtype=config.dtype, device=self.device).eval()
         else:
-            self.model = AutoModelForCausalLM.from_pretrained(config.model, dtype=self.dtype).to(self.device).eval()
+            self.model = load_causal_lm(config.model, self.dtype).to(self.device).eval()
+        self.processor = load_processor(config.model)
+        """The model's ``AutoProcessor`` for a vision-language model (image prompts), else None."""
         eos = self.tokenizer.eos_token_id
         if eos is None and not config.stop_token_ids:
             raise ValueError(f"tokenizer of {config.model!r} has no eos token; set engine.stop_token_ids")
@@ -167,8 +170,10 @@ class HFEngine(Engine):
             limit = max(targets)
         else:
             targets = [None] * len(rows)
+        images = hf_image_inputs(self.processor, [r.prompt for r in requests for _ in range(r.n)],
+                                 device=self.device, dtype=self.model.dtype)
         t0 = time.perf_counter()
-        seqs, scores = self._sample(input_ids.to(self.device), attention_mask.to(self.device), limit, seed)
+        seqs, scores = self._sample(input_ids.to(self.device), attention_mask.to(self.device), limit, seed, images)
         call_s = time.perf_counter() - t0
         completions = [self._completion(p, seqs[i, width:], scores[i], targets[i]) for i, p in enumerate(rows)]
         # Occupancy: a row is busy until its own last token, taken as its share of the call's decode steps.
@@ -183,9 +188,11 @@ class HFEngine(Engine):
 
     @torch.no_grad()
     def _sample(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, seed: int
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, seed: int,
+        images: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sampled sequences ``[N, P + T]`` and the logprob of each sampled token ``[N, T]`` (CPU)."""
+        """Sampled sequences ``[N, P + T]`` and the logprob of each sampled token ``[N, T]`` (CPU); ``images``: the
+        rows' image tensors (``workers.engines._multimodal.hf_image_inputs``)."""
         c = self.config
         if self.device.type == "cuda":
             devices = [self.device.index if self.device.index is not None else torch.cuda.current_device()]
@@ -205,6 +212,7 @@ class HFEngine(Engine):
                 return_dict_in_generate=True,
                 output_scores=True,
                 eos_token_id=None if c.ignore_eos else self.stop_ids,
+                **(images or {}),
             )
         new = out.sequences[:, input_ids.shape[1] :]
         # One step at a time: a [N, T, V] log-softmax would double the memory generate already holds.

@@ -1,0 +1,57 @@
+"""A synthetic visual task drawn with Pillow: "How many red squares?" over an image with 1-4 of them.
+
+A prompt is ``{"messages": [user: image + question], "images": [PNG bytes], "answer": "3"}``: chat turns whose
+``{"type": "image"}`` part the model's chat template renders as its image placeholder, the image as encoded bytes
+(what travels in a lease), and the answer that :func:`asyncrl.reward_funcs.arithmetic_reward` holds the response
+to (1 for the exact digit). Squares are red on a white ground with blue distractor squares, never overlapping,
+each :data:`SQUARE` px, at random cells of a grid that fits the image the tiny VLM's processor keeps
+(``workers.tiny_vlm.IMAGE_SIZE``). Deterministic from ``seed``; PNG encoding is lossless, so the bytes are the
+pixels.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+
+__all__ = ["QUESTION", "draw_squares", "visual_count_prompts"]
+
+QUESTION = "How many red squares?"
+SQUARE = 6
+"""Side of a square, in pixels (a grid cell is 8 px: one vision patch of the tiny VLM)."""
+RED, BLUE, WHITE = (230, 20, 20), (20, 40, 230), (255, 255, 255)
+
+
+def draw_squares(count: int, *, distractors: int = 0, size: int = 32, seed: int = 0) -> bytes:
+    """PNG bytes of a ``size`` x ``size`` white image with ``count`` red and ``distractors`` blue squares."""
+    from PIL import Image, ImageDraw
+
+    cell = size // 4
+    cells = [(x, y) for x in range(4) for y in range(4)]
+    if count + distractors > len(cells):
+        raise ValueError(f"{count=} + {distractors=} squares do not fit the {len(cells)} cells of a {size}px image")
+    rng = random.Random(seed)
+    picked = rng.sample(cells, count + distractors)
+    image = Image.new("RGB", (size, size), WHITE)
+    draw = ImageDraw.Draw(image)
+    pad = (cell - SQUARE) // 2
+    for i, (x, y) in enumerate(picked):
+        x0, y0 = x * cell + pad, y * cell + pad
+        draw.rectangle([x0, y0, x0 + SQUARE - 1, y0 + SQUARE - 1], fill=RED if i < count else BLUE)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def visual_count_prompts(n: int, *, seed: int = 0, max_count: int = 4, size: int = 32,
+                         distractors: bool = True) -> list[dict]:
+    """``n`` deterministic prompts (chat turns + one PNG) with their answers, counts uniform in 1..``max_count``."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        count = rng.randint(1, max_count)
+        extra = rng.randint(0, 2) if distractors else 0
+        png = draw_squares(count, distractors=extra, size=size, seed=rng.getrandbits(32))
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+        out.append({"messages": messages, "images": [png], "answer": str(count)})
+    return out
