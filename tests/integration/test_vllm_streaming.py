@@ -10,6 +10,7 @@
   submission of it is generated whole under the new weights;
 * an in-flight LoRA update (``keep``): the adapter reaches the requests in flight (and a request submitted before
   the engine had any adapter comes back aborted);
+* an update refused in flight (a wrong shape) leaves the requests in flight decoding on the old weights;
 * a request vLLM refuses (too long, a token outside the vocabulary) fails alone; the others go on; a failing
   engine step fails the groups in flight with its error, and the engine serves the next ones.
 """
@@ -185,6 +186,22 @@ def test_in_flight_update_abort_loses_nothing_and_regenerates_nothing_twice(engi
     for c in again[32].completions:
         assert c.policy_version == 4 and c.version_spans == [] and c.response_ids.numel() == 5
         assert _span_logprobs({4: model}, c) <= TOL
+
+
+def test_a_refused_update_in_flight_leaves_the_requests_on_the_old_weights(engine, model_dir):
+    base = load_model(model_dir)
+    v4 = perturbed(base, seed=12)  # what the abort test loaded
+    model = load_model(model_dir)
+    model.load_state_dict(v4)
+    bad = {k: (v[:, :-1] if k.endswith("q_proj.weight") else v) for k, v in perturbed(base, seed=99).items()}
+    engine.submit(45, _request(16, LONG, n=1))
+    _wait_decoding(engine)
+    with pytest.raises(ValueError, match="shape"):
+        engine.apply_weights(WeightUpdate(version=5, mode="full", tensors=bad))
+    assert engine.policy_version == 4
+    (c,) = _poll_until(engine, {45})[45].completions
+    assert c.policy_version == 4 and c.version_spans == [] and c.response_ids.numel() == LONG
+    assert _span_logprobs({4: model}, c) <= TOL, "the old weights are back and vLLM is not left paused"
 
 
 def test_the_streaming_worker_loop_on_vllm_answers_every_lease_once_across_an_in_flight_update(engine, model_dir):

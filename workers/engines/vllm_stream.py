@@ -312,10 +312,10 @@ class VLLMStreamer:
             self._account_idle()
         # keep: preempt every running request (KV freed, recomputed under the new weights on resume) and reset the
         # prefix cache; abort: nothing runs any more, the reset empties the prefix cache
-        self._core.pause_scheduler(mode="keep", clear_cache=True)
         try:
+            self._core.pause_scheduler(mode="keep", clear_cache=True)
             load()
-        finally:
+        finally:  # a failed pause or load (the old weights are back: _vllm_transfer) must not leave vLLM paused
             self._core.resume_scheduler()
             if self._groups or doomed:
                 self.pauses.append(time.perf_counter() - t0)
