@@ -32,3 +32,12 @@ def tiny_chat_model(tmp_path_factory) -> str:
     from workers.tiny_bpe import build_tiny_chat_model
 
     return str(build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat") / "model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory) -> str:
+    """Directory of the tiny LLaVA vision-language model (CLIP tower + Qwen2 LM, the BPE tokenizer with vision
+    tokens, a ``LlavaProcessor``: ``workers.tiny_vlm.build_tiny_vlm``), built once per test session."""
+    from workers.tiny_vlm import build_tiny_vlm
+
+    return str(build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm") / "model"))

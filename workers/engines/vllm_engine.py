@@ -50,6 +50,7 @@ import torch
 
 from asyncrl.config import EngineConfig
 from workers.engines.base import Completion, Engine, Finished, GenerationRequest, prompt_token_ids
+from workers.engines._multimodal import vllm_image_data
 from workers.engines.hf import length_targets
 
 __all__ = ["VLLMEngine"]
@@ -175,8 +176,10 @@ class VLLMEngine(Engine):
         prompts = [self._prompt_ids(r.prompt) for r in requests]
         jobs = [(i, p) for i, r in enumerate(requests) for p in self._params(r, self._calls, i)]
         t0 = time.perf_counter()
+        inputs = [{"prompt_token_ids": p, **({"multi_modal_data": mm} if (mm := vllm_image_data(r.prompt)) else {})}
+                  for p, r in zip(prompts, requests)]  # image prompts: the lease's images, decoded (PIL)
         outputs = self._on_engine(lambda: self.llm.generate(
-            [{"prompt_token_ids": prompts[i]} for i, _ in jobs], [p for _, p in jobs],
+            [inputs[i] for i, _ in jobs], [p for _, p in jobs],
             lora_request=self._lora_request(), use_tqdm=False))
         call_s = time.perf_counter() - t0
         out: list[list[Completion]] = [[] for _ in requests]

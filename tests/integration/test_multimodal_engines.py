@@ -1,0 +1,112 @@
+"""Image prompts through a real engine: the HF engine generates from the tiny VLM's image prompts (the visual task)
+and the trainer's recomputation on the same weights, from the rollouts' image bytes, matches its logprobs per token
+(fp32: 1e-5; bf16: 5e-2, the rounding of a bf16 forward batched differently); the image changes the logprobs
+(the pixels are used, not only the placeholders); the placeholders stay outside the loss mask. One engine per
+module. vLLM: its multimodal models import torchvision-backed processors, absent here: skipped with the reason."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from asyncrl.config import EngineConfig
+from asyncrl.data import DataConfig, load_prompts
+from asyncrl.images import image_provenance, processor_inputs
+from asyncrl.logprobs import batch_logprobs, token_logprobs
+from asyncrl.rollout import Group, Rollout
+from datapipes.collate import collate_groups
+from workers.engines.base import GenerationRequest
+from workers.tiny_vlm import IMAGE_TOKEN
+from workers.visual_task import draw_squares
+
+pytestmark = pytest.mark.integration
+
+THRESHOLDS = {"float32": 1e-5, "bfloat16": 5e-2}
+"""Largest |engine - trainer| logprob per token, by dtype."""
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_vlm):
+    from workers.engines.hf import HFEngine
+
+    return HFEngine(EngineConfig(type="hf", model=tiny_vlm, max_new_tokens=6, temperature=1.0, seed=0))
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_vlm):
+    return load_prompts(DataConfig(source="visual_count", num_prompts=6, seed=1), tiny_vlm)
+
+
+def _groups(items, completions) -> list[Group]:
+    groups = []
+    for i, (item, cs) in enumerate(zip(items, completions)):
+        meta = {"images": [image_provenance(x) for x in item["images"]]}
+        rollouts = [Rollout(epoch=0, prompt_index=i, sample_index=s, worker_id="w", policy_version=0,
+                            prompt_ids=c.prompt_ids, response_ids=c.response_ids, logprobs=c.logprobs,
+                            metadata=meta, images=list(item["images"]),
+                            sampling={"temperature": 1.0, "top_k": 0, "top_p": 1.0}) for s, c in enumerate(cs)]
+        groups.append(Group(epoch=0, prompt_index=i, rollouts=rollouts))
+    return groups
+
+
+def test_prompts_hold_one_placeholder_per_image_token(prompts, engine):
+    image_id = engine.processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    for item in prompts:
+        assert item["prompt_ids"].count(image_id) == 16 and isinstance(item["images"][0], bytes)
+
+
+def test_hf_engine_logprobs_match_trainer_recomputation_on_image_prompts(engine, prompts):
+    items = list(prompts[:4])
+    completions = engine.generate([GenerationRequest(epoch=0, prompt_index=i, n=2, prompt=it)
+                                   for i, it in enumerate(items)])
+    batch = collate_groups(_groups(items, completions), pad_token_id=engine.pad_id)
+    trainer = batch_logprobs(engine.model, batch, processor=engine.processor)
+    mask = batch["loss_mask"]
+    diff = (trainer - batch["rollout_logprobs"]).abs()[mask]
+    assert diff.numel() > 0 and diff.max().item() < THRESHOLDS["float32"], diff.max().item()
+    image_id = engine.processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    assert not mask[batch["input_ids"] == image_id].any()  # placeholders: prompt tokens, never trained on
+    with pytest.raises(ValueError, match="pass the model's processor"):
+        batch_logprobs(engine.model, batch)
+
+
+def test_the_image_changes_the_logprobs(engine, prompts):
+    item = prompts[0]
+    ids = torch.tensor([item["prompt_ids"] + [40, 41]])
+    mask = torch.ones_like(ids)
+    a = token_logprobs(engine.model, ids, mask, images=processor_inputs(engine.processor, [[draw_squares(1)]]))
+    b = token_logprobs(engine.model, ids, mask, images=processor_inputs(engine.processor, [[draw_squares(4)]]))
+    assert (a[0, -2:] - b[0, -2:]).abs().max() > 1e-6
+
+
+def test_corrupted_image_in_a_lease_fails_that_prompt_only(engine, prompts):
+    from asyncrl.images import ImageError
+
+    good = prompts[1]
+    bad = {**prompts[2], "images": [prompts[2]["images"][0][:40]]}
+    with pytest.raises(ImageError, match="does not decode"):
+        engine.generate([GenerationRequest(epoch=0, prompt_index=2, n=1, prompt=bad)])
+    (cs,) = engine.generate([GenerationRequest(epoch=0, prompt_index=1, n=1, prompt=good)])
+    assert cs[0].response_ids.numel() > 0
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is None,
+                    reason="vLLM 0.32's multimodal models (llava, qwen2_vl, ...) import transformers' torchvision "
+                           "image processors; torchvision does not load against this CPU torch")
+def test_vllm_engine_logprobs_match_trainer_on_image_prompts(tiny_vlm, prompts, engine):
+    from workers.engines.vllm_engine import VLLMEngine
+
+    vllm = VLLMEngine(EngineConfig(type="vllm", model=tiny_vlm, max_new_tokens=6, temperature=1.0, seed=0))
+    try:
+        items = list(prompts[:2])
+        completions = vllm.generate([GenerationRequest(epoch=0, prompt_index=i, n=2, prompt=it)
+                                     for i, it in enumerate(items)])
+    finally:
+        vllm.close()
+    batch = collate_groups(_groups(items, completions), pad_token_id=engine.pad_id)
+    trainer = batch_logprobs(engine.model, batch, processor=engine.processor)
+    diff = (trainer - batch["rollout_logprobs"]).abs()[batch["loss_mask"]]
+    assert diff.max().item() < 1e-4
