@@ -76,6 +76,9 @@ class StreamingLoop:
         if not worker.engine.streaming:
             raise ValueError(f"worker.streaming needs an engine that streams; {type(worker.engine).__name__} does not "
                              "(set worker.streaming: false)")
+        if worker.environment is not None:
+            raise ValueError("worker.streaming does not combine with a multi-turn environment (the static loop runs "
+                             "episodes turn by turn)")
         self.w = worker
         self.slots = slots
         self.in_flight: dict[int, _InFlight] = {}
