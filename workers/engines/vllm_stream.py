@@ -76,6 +76,8 @@ class _Group:
     """(request id, SamplingParams): one request of ``n`` samples, or one per sample."""
     lora: Any
     """The LoRARequest it was submitted with (None: the base weights)."""
+    inputs: dict[str, Any]
+    """vLLM's prompt: ``{"prompt_token_ids": ...}`` and, for an image prompt, ``multi_modal_data``."""
     outputs: dict[str, Any] = field(default_factory=dict)
     """Request id -> its final RequestOutput."""
 
@@ -131,12 +133,15 @@ class VLLMStreamer:
         self._thread.start()
 
     # -- any thread -------------------------------------------------------------------------------------------
-    def submit(self, key: int, prompt_ids: list[int], jobs: list[tuple[str, Any]], lora: Any) -> None:
+    def submit(self, key: int, prompt_ids: list[int], jobs: list[tuple[str, Any]], lora: Any,
+               inputs: dict[str, Any] | None = None) -> None:
+        """Queues one group for the engine thread; ``inputs`` (vLLM's prompt) defaults to the token ids alone."""
         if not self._thread.is_alive():
             raise RuntimeError("the vLLM engine thread has stopped") from self._died
         with self._count_lock:
             self._in_flight += 1
-        self._commands.put(("add", _Group(key=key, prompt_ids=prompt_ids, jobs=jobs, lora=lora)))
+        inputs = inputs if inputs is not None else {"prompt_token_ids": prompt_ids}
+        self._commands.put(("add", _Group(key=key, prompt_ids=prompt_ids, jobs=jobs, lora=lora, inputs=inputs)))
 
     def poll(self, timeout: float) -> list[_Done]:
         out = []
@@ -234,7 +239,7 @@ class VLLMStreamer:
     def _add(self, group: _Group) -> None:
         try:
             for rid, params in group.jobs:
-                self._engine.add_request(rid, {"prompt_token_ids": group.prompt_ids}, params, lora_request=group.lora)
+                self._engine.add_request(rid, group.inputs, params, lora_request=group.lora)
                 self._owner[rid] = group.key
         except Exception as e:  # deliberate: a bad request fails its own lease, not the batch
             self._drop(group, abort=True)
@@ -314,6 +319,7 @@ class VLLMStreamer:
         # prefix cache; abort: nothing runs any more, the reset empties the prefix cache
         try:
             self._core.pause_scheduler(mode="keep", clear_cache=True)
+            self._engine.reset_mm_cache()  # the front end's multimodal cache too, as pause_generation clears it
             load()
         finally:  # a failed pause or load (the old weights are back: _vllm_transfer) must not leave vLLM paused
             self._core.resume_scheduler()
