@@ -118,6 +118,8 @@ class VLLMStreamer:
         self._count_lock = threading.Lock()
         self._in_flight = 0
         """Submitted and not yet returned by poll (any thread, under ``_count_lock``)."""
+        self._acct_lock = threading.Lock()
+        """Guards the occupancy sums below (written by the engine thread, read by any)."""
         self._busy = 0.0
         self._capacity = 0.0
         self._work_since: float | None = None
@@ -181,7 +183,12 @@ class VLLMStreamer:
         self.call(lambda: self._update(mode, load, lora))
 
     def occupancy(self) -> dict[str, float]:
-        return self.call(self._occupancy)
+        """Cumulative ``busy_seq_s`` / ``capacity_seq_s`` (read without waiting for the engine thread's step)."""
+        with self._acct_lock:
+            capacity = self._capacity
+            if self._work_since is not None:
+                capacity += self._width_now() * (time.perf_counter() - self._work_since)
+            return {"busy_seq_s": self._busy, "capacity_seq_s": capacity} if capacity > 0 else {}
 
     def close(self) -> None:
         self._stop = True
@@ -246,8 +253,9 @@ class VLLMStreamer:
             self._finished.put(_Done(key=group.key, error=e))
             return
         self._groups[group.key] = group
-        if self._work_since is None:
-            self._work_since = time.perf_counter()
+        with self._acct_lock:
+            if self._work_since is None:
+                self._work_since = time.perf_counter()
 
     def _step(self) -> None:
         before = self._engine.get_num_unfinished_requests()
@@ -263,8 +271,9 @@ class VLLMStreamer:
             return
         now = time.perf_counter()
         running = len(self._scheduler.running) + max(before - self._engine.get_num_unfinished_requests(), 0)
-        self._widest = max(self._widest, running)
-        self._busy += running * (now - t0)
+        with self._acct_lock:
+            self._widest = max(self._widest, running)
+            self._busy += running * (now - t0)
         for out in outputs:
             key = self._owner.get(out.request_id)
             if key is None or not out.finished:
@@ -290,18 +299,13 @@ class VLLMStreamer:
                 logger.exception("aborting the requests of group %d failed", group.key)
 
     def _account_idle(self) -> None:
-        if self._work_since is not None:
-            self._capacity += self._width_now() * (time.perf_counter() - self._work_since)
-            self._work_since = None
+        with self._acct_lock:
+            if self._work_since is not None:
+                self._capacity += self._width_now() * (time.perf_counter() - self._work_since)
+                self._work_since = None
 
     def _width_now(self) -> int:
         return self._width or max(self._widest, 1)
-
-    def _occupancy(self) -> dict[str, float]:
-        capacity = self._capacity
-        if self._work_since is not None:
-            capacity += self._width_now() * (time.perf_counter() - self._work_since)
-        return {"busy_seq_s": self._busy, "capacity_seq_s": capacity} if capacity > 0 else {}
 
     def _update(self, mode: str, load: Callable[[], None], lora: bool) -> None:
         if mode not in ("keep", "abort"):
