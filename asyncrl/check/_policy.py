@@ -19,9 +19,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["LORA_TARGETS", "build_policy", "digest", "first_difference", "fixed_batch", "full", "full_tensors", "import_all",
+__all__ = ["LORA_TARGETS", "QLORA_SKIP", "build_policy", "digest", "first_difference", "fixed_batch", "full", "full_tensors", "import_all",
            "unwrap"]
 
+QLORA_SKIP = ("--qlora: this stage builds the policy in full precision (a LoRA adapter over the model's own dtype); "
+              "the 4-bit base of QLoRA is not covered by it yet")
+"""Why ``parallel``, ``checkpoint`` and ``loss`` skip under ``--qlora`` (a skipped stage is ok, and says so)."""
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 """The recipe's default ``lora.target_modules`` (``asyncrl.recipe_config``)."""
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.check import CheckContext, StageResult
-from asyncrl.check._policy import fixed_batch, import_all
+from asyncrl.check._policy import QLORA_SKIP, fixed_batch, import_all
 
 __all__ = ["run"]
 
@@ -83,6 +83,17 @@ def compare(task: dict[str, Any], saved: list[dict[str, Any]], loaded: list[dict
     return offenders
 
 
+def _kinds(offenders: list[dict[str, Any]]) -> str:
+    """``optimizer state 54, parameter 2``: how many offenders of each kind."""
+    counts: dict[str, int] = {}
+    for o in offenders:
+        what = o["what"].split(": ", 1)[-1]
+        kind = next((k for k in ("parameter", "optimizer state", "loader state", "RNG", "step", "rank failed",
+                                 "optimizer has no state") if k in what), what)
+        counts[kind] = counts.get(kind, 0) + 1
+    return ", ".join(f"{k} {n}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
 def run(ctx: CheckContext) -> StageResult:
     """Saves and loads across ``ctx.ranks`` under ``ctx.parallel`` (see the module docstring)."""
     from transformers import AutoConfig
@@ -90,6 +101,8 @@ def run(ctx: CheckContext) -> StageResult:
     from asyncrl.check._ranks import launch_ranks
     from asyncrl.codec import dumps_json, loads_json
 
+    if ctx.qlora:
+        return StageResult(stage="checkpoint", ok=True, summary="skipped", skipped=QLORA_SKIP)
     t0 = time.perf_counter()
     import_all(ctx.imports)
     work = Path(ctx.workdir) / "checkpoint"
@@ -131,6 +144,6 @@ def run(ctx: CheckContext) -> StageResult:
     saved = next((v for k, v in metrics.items() if k.startswith("saved_")), {})
     summary = (f"{ctx.parallel} {loads}: {saved.get('tensors', 0)} tensors + {saved.get('optim_tensors', 0)} optimizer "
                f"state tensors bit for bit, RNG and loader restored" if not offenders
-               else f"{ctx.parallel} {loads}: {len(offenders)} differences after resume")
+               else f"{ctx.parallel} {loads}: {len(offenders)} differences after resume ({_kinds(offenders)})")
     return StageResult(stage="checkpoint", ok=not offenders, summary=summary, offenders=offenders[: ctx.worst],
                        metrics=metrics, seconds=time.perf_counter() - t0)

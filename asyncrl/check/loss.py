@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from asyncrl.check import CheckContext, StageResult
-from asyncrl.check._policy import build_policy, import_all
+from asyncrl.check._policy import QLORA_SKIP, build_policy, import_all
 
 __all__ = ["run"]
 
@@ -245,6 +245,8 @@ def run(ctx: CheckContext) -> StageResult:
     from asyncrl.losses import LossConfig, mismatch_metrics
     from datapipes.collate import collate_groups
 
+    if ctx.qlora:
+        return StageResult(stage="loss", ok=True, summary="skipped", skipped=QLORA_SKIP)
     t0 = time.perf_counter()
     import_all(ctx.imports)
     (Path(ctx.workdir) / "loss").mkdir(parents=True, exist_ok=True)
