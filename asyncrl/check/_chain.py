@@ -6,8 +6,10 @@
     publish():   broadcaster.publish(policy_state(policy), v)  ──►  engine.apply(v)   (wait, apply, verify, commit)
     step(groups): one AdamW step on the groups' tokens (what one update of training does to the weights)
 
-Used by the ``weight_sync`` and ``logprobs`` stages; each opens its own chain and closes it (the engine process
-is ended, the shm segments removed).
+One chain serves every stage of a run (:func:`shared_chain`: ``structure`` reads the engine before any update,
+``weight_sync`` and ``logprobs`` then publish, step and compare, each from the version the previous one left), so
+a run starts one engine process; the runner closes it after the last stage (:func:`close_shared`: the engine
+process is ended, the shm segments removed).
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ import torch
 
 from asyncrl.check._engine import EngineProcess
 
-__all__ = ["Chain", "check_prompts", "load_trainer_policy"]
+__all__ = ["Chain", "check_prompts", "close_shared", "load_trainer_policy", "shared_chain"]
+
+_SHARED: dict[int, Chain] = {}
+"""The run's chain, by ``id(ctx)``."""
 
 LR = 1e-2
 """The check's optimizer step: large enough that one update moves every logprob measurably (~0.1-0.4 on the tiny
@@ -28,12 +33,22 @@ models), so an engine one update behind cannot pass."""
 
 
 def load_trainer_policy(ctx: Any) -> torch.nn.Module:
-    """The trainer's policy as the recipe builds it: the model directory in ``ctx.dtype``, wrapped with a peft
-    LoRA adapter of rank ``ctx.lora_rank`` (the recipe's ``lora`` defaults: alpha 16, q/k/v/o) when asked."""
+    """The trainer's policy as the recipe builds it: the model directory in ``ctx.dtype`` (``ctx.qlora``: its 4-bit
+    base, :func:`asyncrl.qlora.load_quantized_base`), wrapped with a peft LoRA adapter of rank ``ctx.lora_rank``
+    (the recipe's ``lora`` defaults: alpha 16, q/k/v/o) when asked. ``ctx.imports`` are imported first."""
+    import importlib
+
+    for module in getattr(ctx, "imports", []):
+        importlib.import_module(module)
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(ctx.seed)
-    model = AutoModelForCausalLM.from_pretrained(ctx.model, dtype=getattr(torch, ctx.dtype))
+    if ctx.qlora:  # the 4-bit NF4 base the recipe and the HF engine load (asyncrl.qlora), adapter in full precision
+        from asyncrl.qlora import load_quantized_base
+
+        model = load_quantized_base(ctx.model, dtype=ctx.dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(ctx.model, dtype=getattr(torch, ctx.dtype))
     if ctx.lora_rank:
         from peft import LoraConfig, get_peft_model
 
@@ -115,8 +130,26 @@ class Chain:
         self.broadcaster.close()
         shutil.rmtree(self.dir / "weights", ignore_errors=True)
 
-    def __enter__(self) -> Chain:
+    def __enter__(self) -> Chain:  # noqa: PYI034 - not subclassed
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def shared_chain(ctx: Any) -> Chain:
+    """The run's chain (made at the first call; an engine process that died is replaced by a fresh chain)."""
+    chain = _SHARED.get(id(ctx))
+    if chain is not None and (chain.engine is None or chain.engine.proc.poll() is not None):
+        close_shared(ctx)
+        chain = None
+    if chain is None:
+        chain = _SHARED[id(ctx)] = Chain(ctx, "chain")
+    return chain
+
+
+def close_shared(ctx: Any) -> None:
+    """Closes the run's chain, if any (the runner, after the last stage)."""
+    chain = _SHARED.pop(id(ctx), None)
+    if chain is not None:
+        chain.close()

@@ -49,7 +49,7 @@ def engine_config(ctx: Any, *, max_model_len: int = 256) -> dict[str, Any]:
     return {"type": ctx.engine, "model": ctx.model, "dtype": ctx.dtype, "seed": ctx.seed,
             "temperature": ctx.temperature, "top_k": ctx.top_k, "top_p": ctx.top_p,
             "max_new_tokens": ctx.max_new_tokens, "min_new_tokens": 0, "max_model_len": max_model_len,
-            "kv_cache_bytes": 64 << 20, "lora_rank": ctx.lora_rank}
+            "kv_cache_bytes": 64 << 20, "lora_rank": ctx.lora_rank, **({"quantization": "nf4"} if ctx.qlora else {})}
 
 
 class EngineProcess:
@@ -84,6 +84,8 @@ class EngineProcess:
                 "--address", address]
         if ctx.engine_class:
             argv += ["--engine-class", ctx.engine_class]
+        for module in ctx.imports:
+            argv += ["--import", module]
         with open(self._log, "w") as log:
             self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=repo)
         self.info = self.request("ready", {}, timeout_s=_START_S)
@@ -206,13 +208,9 @@ def _topk_hf(engine: Any, prompts: list[Any], n: int, k: int, seed: int) -> list
 
 def _topk_vllm(engine: Any, prompts: list[Any], n: int, k: int, seed: int) -> list[dict[str, Any]]:
     """vLLM: the engine's own ``SamplingParams`` with ``logprobs=k`` (processed_logprobs: the sampled distribution)."""
-    from vllm.lora.request import LoRARequest
-
-    from workers.engines.vllm_engine import LORA_NAME
-
     params = engine._sampling(n, seed)
     params.logprobs = k
-    lora = LoRARequest(LORA_NAME, 1, str(engine._lora_dir), load_inplace=True) if engine._lora_dir else None
+    lora = engine._lora_request()  # the LoRARequest the engine's own generate sends (None without an adapter)
     ids_list = [engine._prompt_ids(p) for p in prompts]
     outputs = engine.llm.generate([{"prompt_token_ids": ids} for ids in ids_list], params, lora_request=lora,
                                   use_tqdm=False)
@@ -229,6 +227,20 @@ def _topk_vllm(engine: Any, prompts: list[Any], n: int, k: int, seed: int) -> li
                            "response_ids": torch.tensor(list(c.token_ids), dtype=torch.int32),
                            "ids": top_ids, "logprobs": top_lp})
     return result
+
+
+def _vllm_lora_checksums(engine: Any, names: list[str], lora_config: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's LoRA adapter read back (``VLLMEngine.weight_checksums`` cannot: vLLM loads an adapter at the next
+    request naming it): one 1-token request with the engine's LoRA request forces the load, then the worker
+    extension reads the adapter's slot in the LoRA layers (:meth:`AsyncrlWorkerExtension.asyncrl_lora_checksums`)."""
+    from vllm import SamplingParams
+
+    lora = engine._lora_request()
+    engine.llm.generate([{"prompt_token_ids": [0]}], SamplingParams(max_tokens=1), lora_request=lora, use_tqdm=False)
+    rank, alpha = lora_config["r"], lora_config["lora_alpha"]
+    scaling = alpha / rank ** 0.5 if lora_config.get("use_rslora") else alpha / rank
+    held = engine.llm.collective_rpc("asyncrl_lora_checksums", args=(names, 1, float(scaling)))[0]
+    return {n: None if v is None else (v[0], int(v[1])) for n, v in held.items()}
 
 
 def _specs(engine: Any) -> dict[str, Any]:
@@ -260,6 +272,7 @@ def _serve(args: argparse.Namespace) -> None:
     verifier = WeightVerifier("full")
     sock.send_multipart(encode(_KIND, {"engine": type(engine).__name__, "pid": os.getpid()}))
     calls = 0
+    lora_config = None
     try:
         while True:
             _, msg = decode(sock.recv_multipart(copy=False))
@@ -277,11 +290,15 @@ def _serve(args: argparse.Namespace) -> None:
                     engine.apply_weights(update)
                     result = verifier.after(engine, update, plan)
                     receiver.commit(update.version)
+                    lora_config = update.lora_config if update.mode == "lora" else lora_config
                     reply = {"version": update.version, "mode": update.mode, "tensors": len(update.tensors),
                              "mismatched": result.mismatched if result else [],
                              "unverifiable": result.unverifiable if result else []}
                 elif op == "checksums":
-                    held = engine.weight_checksums(msg["mode"], list(msg["names"]))
+                    if msg["mode"] == "lora" and hasattr(engine, "llm") and lora_config is not None:
+                        held = _vllm_lora_checksums(engine, list(msg["names"]), lora_config)
+                    else:
+                        held = engine.weight_checksums(msg["mode"], list(msg["names"]))
                     reply = {"checksums": {n: None if v is None else [v[0], int(v[1])] for n, v in held.items()}}
                 elif op == "generate":
                     reply = {"groups": _groups(engine, msg["prompts"], msg["n"])}
@@ -293,7 +310,7 @@ def _serve(args: argparse.Namespace) -> None:
                     reply = _specs(engine)
                 else:
                     raise ValueError(f"unknown request {op!r}")
-            except Exception as e:  # process boundary: the check process reports it as the stage's failure
+            except Exception as e:  # noqa: BLE001 - process boundary: the check process reports it as the stage's failure
                 import traceback
 
                 reply = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-4)}"}
@@ -313,7 +330,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--engine-class")
     p.add_argument("--weights", required=True)
     p.add_argument("--address", required=True)
+    p.add_argument("--import", dest="imports", action="append", default=[])
     args = p.parse_args(argv)
+    import importlib
+
+    for module in args.imports:  # CheckContext.imports: a custom architecture's registration, a test's fault
+        importlib.import_module(module)
     from asyncrl.lifeline import die_with_parent
 
     die_with_parent(args.parent_pid, what="asyncrl check engine")

@@ -26,6 +26,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--worst", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--qlora", action="store_true")
+    p.add_argument("--import", dest="imports", action="append", default=[])
     a = p.parse_args(argv)
     import torch.distributed as dist
     from safetensors.torch import load_file
@@ -40,10 +42,15 @@ def main(argv: list[str]) -> int:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    ctx = CheckContext(model=a.model, dtype=a.dtype, lora_rank=a.lora, seed=a.seed, temperature=a.temperature,
-                       top_k=a.top_k, top_p=a.top_p, worst=a.worst)
+    ctx = CheckContext(model=a.model, dtype=a.dtype, lora_rank=a.lora, qlora=a.qlora, seed=a.seed,
+                       temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, worst=a.worst, imports=a.imports)
     policy = load_trainer_policy(ctx)
-    policy.load_state_dict(load_file(a.state), strict=True)
+    trained = load_file(a.state)  # the trainable parameters (all of them, or the adapter)
+    result = policy.load_state_dict(trained, strict=False)
+    missing = {n for n, q in policy.named_parameters() if q.requires_grad} - set(trained)
+    if result.unexpected_keys or missing:
+        raise ValueError(f"trained state does not fit the policy: unexpected {result.unexpected_keys[:8]}, "
+                         f"missing {sorted(missing)[:8]}")
     model = parallelize(policy, a.parallel, torch.device("cpu")).eval()
     _, body = read_dump(a.groups)
     groups = [Group.from_wire(g) for g in body["groups"]]

@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from asyncrl.check import CheckContext, StageResult
-from asyncrl.check._chain import Chain, check_prompts, load_trainer_policy
+from asyncrl.check._chain import Chain, check_prompts, load_trainer_policy, shared_chain
 
 __all__ = ["run", "token_metrics", "topk_compare"]
 
@@ -137,11 +136,16 @@ def _resumed(chain: Chain, ctx: CheckContext) -> torch.nn.Module:
     """The policy saved with :class:`~asyncrl.checkpoint.Checkpointer` (model + optimizer) and loaded into a fresh one."""
     from asyncrl.checkpoint import Checkpointer
 
-    root = chain.dir / "checkpoints"
-    Checkpointer(root, chain.policy, chain.optimizer, _NoLoader()).save(step=1, policy_version=chain.version)
+    root = chain.dir / f"checkpoints-v{chain.version}"
+    base = None
+    if ctx.qlora:  # as the recipe: adapter + its optimizer state, the 4-bit base named by hash
+        from asyncrl.qlora import base_reference
+
+        base = base_reference(chain.policy, ctx.model)
+    Checkpointer(root, chain.policy, chain.optimizer, _NoLoader(), base=base).save(step=1, policy_version=chain.version)
     fresh = load_trainer_policy(ctx)
     optimizer = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-2)
-    saver = Checkpointer(root, fresh, optimizer)
+    saver = Checkpointer(root, fresh, optimizer, base=base)
     saver.load(saver.resolve(), loader=False)
     return fresh.eval()
 
@@ -158,12 +162,14 @@ def _ranks(chain: Chain, ctx: CheckContext, groups: list[Any], nproc: int) -> li
     out.mkdir(exist_ok=True)
     state = out / "policy.safetensors"
     if not state.exists():
-        save_file({k: v.detach().contiguous().clone() for k, v in chain.policy.state_dict().items()}, state)
+        trained = {n: p for n, p in chain.policy.named_parameters() if p.requires_grad}  # a 4-bit base is loaded
+        save_file({k: v.detach().contiguous().clone() for k, v in trained.items()}, state)
     write_dump(out / "groups.msgpack", "check_groups", {"groups": [g.to_wire() for g in groups]})
     argv = ["-m", "asyncrl.check._logprob_rank", "--model", ctx.model, "--dtype", ctx.dtype, "--lora", str(ctx.lora_rank),
             "--parallel", ctx.parallel, "--state", str(state), "--groups", str(out / "groups.msgpack"),
             "--out", str(out), "--temperature", str(ctx.temperature), "--top-k", str(ctx.top_k),
-            "--top-p", str(ctx.top_p), "--worst", str(ctx.worst), "--seed", str(ctx.seed)]
+            "--top-p", str(ctx.top_p), "--worst", str(ctx.worst), "--seed", str(ctx.seed),
+            *(["--qlora"] if ctx.qlora else []), *(a for m in ctx.imports for a in ("--import", m))]
     results = launch_ranks(argv, nproc, timeout_s=600)
     if failed := [r for r in results if r.returncode != 0]:
         raise RuntimeError(f"trainer rank {failed[0].rank} of {nproc} exited {failed[0].returncode}:\n{failed[0].tail()}")
@@ -186,20 +192,20 @@ def run(ctx: CheckContext) -> StageResult:
             problems.append(f"{key}: {'; '.join(bad)}")
             offenders.extend(_offenders(phase, m, groups, tokenizer, rank))
 
-    prompts = check_prompts(ctx)
-    with Chain(ctx, "logprobs") as chain:
-        for phase in ("before step", "after step"):
-            if phase == "after step":
-                loss = chain.step(groups)
-            chain.publish()
-            groups = chain.engine.generate(prompts, ctx.samples)
-            m = token_metrics(chain.policy, groups, ctx)
-            m["topk"] = topk_compare(chain.policy, chain.engine.topk(prompts, ctx.samples, ctx.topk_logprobs), ctx)
-            record(phase, m, groups)
-        record("after resume", token_metrics(_resumed(chain, ctx), groups, ctx), groups)
-        for nproc in (n for n in ctx.ranks if n > 1):
-            for rank, m in enumerate(_ranks(chain, ctx, groups, nproc)):
-                record(f"{nproc} {ctx.parallel} ranks", m, groups, rank)
+    prompts, groups, loss = check_prompts(ctx), [], None
+    chain = shared_chain(ctx)
+    for phase in ("before step", "after step"):
+        if phase == "after step":
+            loss = chain.step(groups)
+        chain.publish()
+        groups = chain.engine.generate(prompts, ctx.samples)
+        m = token_metrics(chain.policy, groups, ctx)
+        m["topk"] = topk_compare(chain.policy, chain.engine.topk(prompts, ctx.samples, ctx.topk_logprobs), ctx)
+        record(phase, m, groups)
+    record("after resume", token_metrics(_resumed(chain, ctx), groups, ctx), groups)
+    for nproc in (n for n in ctx.ranks if n > 1):
+        for rank, m in enumerate(_ranks(chain, ctx, groups, nproc)):
+            record(f"{nproc} {ctx.parallel} ranks", m, groups, rank)
     worst = max((m["max_abs_diff"] for m in phases.values()), default=math.nan)
     top = max((m["topk"]["max_abs_diff"] for m in phases.values() if "topk" in m), default=math.nan)
     summary = (f"{len(phases)} comparisons (before/after a step, after resume, ranks {ctx.ranks}), "

@@ -66,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", help="scratch directory (default: a new temporary one)")
     p.add_argument("--keep-workdir", action="store_true")
     p.add_argument("--json", help="write every StageResult here")
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="a module every check process imports first (e.g. one registering a custom architecture)")
     p.add_argument("--fault", action="append", default=[], help=argparse.SUPPRESS)  # CheckContext.faults (tests)
     return p
 
@@ -109,6 +111,18 @@ def parse_context(argv: list[str]) -> tuple[CheckContext, list[str], str | None]
     if a.qlora and not _qlora_available():
         parser.error("--qlora: this asyncrl has no QLoRA support yet (lora.qlora, issue 15); check the adapter "
                      "over a full-precision base with --lora RANK instead")
+    if a.qlora:
+        from asyncrl.qlora import FSDP2_REFUSAL, VLLM_REFUSAL
+
+        if engine == "vllm":
+            parser.error(f"--qlora with --engine {a.engine}: {VLLM_REFUSAL}")
+        if a.parallel == "fsdp2":
+            parser.error(f"--qlora with --parallel fsdp2: {FSDP2_REFUSAL}")
+    for module in a.imports:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            parser.error(f"--import {module}: {e}")
     overrides = {}
     for item in a.threshold:
         key, sep, value = item.partition("=")
@@ -129,7 +143,7 @@ def parse_context(argv: list[str]) -> tuple[CheckContext, list[str], str | None]
                        thresholds=thresholds, worst=a.worst, workdir=a.workdir or "", seed=a.seed, faults=a.fault,
                        engine_class=engine_class, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                        max_new_tokens=a.max_new_tokens, prompts=a.prompts, samples=a.samples,
-                       topk_logprobs=a.topk_logprobs, keep_workdir=a.keep_workdir)
+                       topk_logprobs=a.topk_logprobs, keep_workdir=a.keep_workdir, imports=a.imports)
     return ctx, stages, a.json
 
 
@@ -163,7 +177,7 @@ def run_stage(name: str, ctx: CheckContext) -> StageResult:
                            seconds=time.perf_counter() - t0)
     try:
         result = module.run(ctx)
-    except Exception as e:  # a stage's crash is its failure, reported with the rest: the command goes on
+    except Exception as e:  # noqa: BLE001 - a stage's crash is its failure, reported with the rest: the command goes on
         tb = traceback.format_exc(limit=-6)
         return StageResult(stage=name, ok=False, summary=f"raised {type(e).__name__}: {e}"[:300],
                            offenders=[{"name": type(e).__name__, "what": str(e)[:2000], "traceback": tb}],
@@ -179,9 +193,13 @@ def run_check(ctx: CheckContext, stages: list[str] | None = None) -> list[StageR
     if own:
         ctx.workdir = tempfile.mkdtemp(prefix="asyncrl-check-")
     Path(ctx.workdir).mkdir(parents=True, exist_ok=True)
+    from asyncrl.check._chain import close_shared
+
+    order = [s for s in STAGES if s in (stages or STAGES)]  # structure first: it reads the engine before any update
     try:
-        return [run_stage(name, ctx) for name in (stages or list(STAGES))]
+        return [run_stage(name, ctx) for name in order]
     finally:
+        close_shared(ctx)
         if own and not ctx.keep_workdir:
             shutil.rmtree(ctx.workdir, ignore_errors=True)
 

@@ -98,13 +98,16 @@ def _ties(trainer: dict[str, Any], engine: dict[str, Any]) -> list[dict[str, Any
 
 
 def run(ctx: CheckContext) -> StageResult:
-    from asyncrl.check._chain import Chain, load_trainer_policy
+    from asyncrl.check._chain import Chain, load_trainer_policy, shared_chain
 
     t0 = time.perf_counter()
     base = dataclasses.replace(ctx, lora_rank=0, qlora=False)
     trainer = trainer_structure(load_trainer_policy(base))
-    with Chain(base, "structure") as chain:
-        engine = chain.engine.specs()
+    if ctx.lora_rank and ctx.engine == "vllm":  # vLLM's LoRA layers rename the base: the base alone, on its own
+        with Chain(base, "structure") as chain:
+            engine = chain.engine.specs()
+    else:  # the run's engine, before any update (structure runs first)
+        engine = shared_chain(ctx).engine.specs()
     offenders, mapping = (_compare_vllm if engine.get("fused") else _compare_hf)(trainer, engine)
     offenders += _ties(trainer, engine)
     fused = sum("shard" in v for v in mapping.values())

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from asyncrl.check import CheckContext, StageResult
-from asyncrl.check._chain import Chain, check_prompts
+from asyncrl.check._chain import check_prompts, shared_chain
 
 __all__ = ["run"]
 
@@ -58,29 +58,29 @@ def run(ctx: CheckContext) -> StageResult:
     metrics: dict[str, Any] = {"mode": "lora" if ctx.lora_rank else "full", "engine": ctx.engine_class or ctx.engine,
                                "transport": "shm", "phases": {}}
     offenders: list[dict[str, Any]] = []
-    with Chain(ctx, "weight_sync") as chain:
-        before: dict[str, torch.Tensor] = {}
-        for phase in ("before step", "after step"):
-            if phase == "after step":
-                groups = chain.engine.generate(check_prompts(ctx), ctx.samples)
-                metrics["loss"] = chain.step(groups)
-            expected = chain.published()
-            applied = chain.publish()
-            actual = chain.engine.checksums(chain.mode, sorted(expected))
-            found, unverifiable = _compare(expected, actual, phase)
-            offenders += found
-            info = {"version": chain.version, "tensors": len(expected), "differ": len(found),
-                    "unverifiable": len(unverifiable), "worker_verify_mismatched": applied["mismatched"],
-                    "worker_verify_unverifiable": len(applied["unverifiable"])}
-            if before:
-                unchanged = [n for n, t in expected.items() if n in before and torch.equal(before[n], t)]
-                info["unchanged_by_step"] = len(unchanged)
-                trainable = {n for n in expected if chain.mode == "lora" or not n.endswith("rotary_emb.inv_freq")}
-                if len(unchanged) == len(trainable):
-                    offenders.append({"name": "optimizer step", "what": "changed no published tensor: the after-step "
-                                      "check would be vacuous", "tensors": len(expected)})
-            metrics["phases"][phase] = info
-            before = expected
+    chain = shared_chain(ctx)
+    before: dict[str, torch.Tensor] = {}
+    for phase in ("before step", "after step"):
+        if phase == "after step":
+            groups = chain.engine.generate(check_prompts(ctx), ctx.samples)
+            metrics["loss"] = chain.step(groups)
+        expected = chain.published()
+        applied = chain.publish()
+        actual = chain.engine.checksums(chain.mode, sorted(expected))
+        found, unverifiable = _compare(expected, actual, phase)
+        offenders += found
+        info = {"version": chain.version, "tensors": len(expected), "differ": len(found),
+                "unverifiable": len(unverifiable), "worker_verify_mismatched": applied["mismatched"],
+                "worker_verify_unverifiable": len(applied["unverifiable"])}
+        if before:
+            unchanged = [n for n, t in expected.items() if n in before and torch.equal(before[n], t)]
+            info["unchanged_by_step"] = len(unchanged)
+            trainable = {n for n in expected if chain.mode == "lora" or not n.endswith("rotary_emb.inv_freq")}
+            if len(unchanged) == len(trainable):
+                offenders.append({"name": "optimizer step", "what": "changed no published tensor: the after-step "
+                                  "check would be vacuous", "tensors": len(expected)})
+        metrics["phases"][phase] = info
+        before = expected
     phases = metrics["phases"]
     unverifiable = max(p["unverifiable"] for p in phases.values())
     n = phases["before step"]["tensors"]

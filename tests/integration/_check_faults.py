@@ -26,9 +26,9 @@ Q, K = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_pro
 def mha_tied_model(src: str | Path, dst: str | Path) -> Path:
     """The tiny model edited on disk into one with as many k/v heads as q heads (each kv head repeated: the same
     function) and tied embeddings (``lm_head`` dropped, ``embed_tokens`` serves both), so q and k have one shape."""
-    from safetensors.torch import load_file, save_file
-
     import shutil
+
+    from safetensors.torch import load_file, save_file
 
     src, dst = Path(src), Path(dst)
     if (dst / "config.json").exists():

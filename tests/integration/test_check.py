@@ -63,7 +63,7 @@ def test_check_cli_on_the_tiny_model_at_1_and_2_ranks(models, capsys):
     proc = subprocess.run([sys.executable, "-m", "asyncrl.cli", "check", "--model", str(models["tiny"]),
                            *SMALL[:-2], "--ranks", "1,2", "--json", str(out)],
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}, capture_output=True,
-                          text=True, timeout=900, cwd=ROOT)
+                          text=True, timeout=900, check=False, cwd=ROOT)
     wall = time.perf_counter() - t0
     with capsys.disabled():
         print(f"\nasyncrl check on the tiny model (all stages, ranks 1,2): {wall:.1f} s wall\n{proc.stdout}")
@@ -140,7 +140,7 @@ def test_check_fails_a_lora_update_the_engine_ignores(models):
 def test_check_runner_reports_a_raising_stage_and_refuses_bad_usage(models, capsys):
     code, summary = _check(models, "broken", "--model", str(models["tiny"]), "--engine", f"{FAULTS}:BrokenEngine",
                            "--stages", "weight_sync,structure")
-    assert code == 1 and [s["stage"] for s in summary["stages"]] == ["weight_sync", "structure"]
+    assert code == 1 and [s["stage"] for s in summary["stages"]] == ["structure", "weight_sync"]  # STAGES order
     assert all(not s["ok"] and "engine process" in s["summary"] for s in summary["stages"])
     assert "deliberately broken" in _stage(summary, "weight_sync")["offenders"][0]["what"]
     for bad in (["--ranks", "0"], ["--threshold", "logprobs.nope=1"], ["--stages", "structure,bogus"],

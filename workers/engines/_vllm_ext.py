@@ -129,3 +129,47 @@ class AsyncrlWorkerExtension:
             tied.append(["lm_head.weight", "model.embed_tokens.weight"])
         return {"params": params, "tied": tied, "fused": True, "fused_slices": fused_slices(hf_config),
                 "tie_word_embeddings": bool(getattr(hf_config, "tie_word_embeddings", False))}
+
+    def asyncrl_lora_checksums(self, names: list[str], lora_id: int, scaling: float) -> dict[str, Any]:
+        """``[dtype, checksum]`` of the LoRA adapter ``lora_id`` as vLLM computes with it, under peft names
+        (``base_model.model.<module>.lora_A.weight`` / ``lora_B.weight``), read from the LoRA layers' stacked
+        tensors at the adapter's slot in the LoRA manager (``lora_a_stacked[shard][slot, 0, :r]``): what the kernel
+        multiplies by. vLLM folds the scaling into ``lora_B`` when it loads an adapter (``LoRALayerWeights.optimize``);
+        it is divided back out, exactly when ``scaling`` is a power of two (alpha 16 over rank 4, 8, 16), else the
+        ``lora_B`` names map to None (unverifiable). Every name maps to None while the adapter is not loaded (vLLM
+        loads it at the first request naming it); a name whose module has no LoRA layer is left out."""
+        import math
+
+        from asyncrl.weights.verify import tensor_checksum
+
+        manager = self.model_runner.lora_manager._adapter_manager  # type: ignore[attr-defined]
+        if lora_id not in manager.lora_index_to_id:
+            return {n: None for n in names}
+        slot = manager.lora_index_to_id.index(lora_id)
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        tied = bool(getattr(self.vllm_config.model_config.hf_config, "tie_word_embeddings", False))  # type: ignore[attr-defined]
+        exact = scaling > 0 and math.frexp(scaling)[0] == 0.5
+        out: dict[str, Any] = {}
+        for name in names:
+            stem, sep, rest = name.removeprefix("base_model.model.").partition(".lora_")
+            if not sep:
+                continue
+            which = rest.partition(".")[0]
+            module_path, _, index = engine_param(f"{stem}.weight", tied)
+            try:
+                layer = model.get_submodule(module_path)
+                stacked = (layer.lora_a_stacked if which == "A" else layer.lora_b_stacked)[index or 0]
+            except AttributeError:  # no LoRA layer there: left out, a mismatch
+                continue
+            lora = manager._registered_adapters[lora_id]
+            rank = next(iter(lora.loras.values())).rank
+            held = stacked[slot, 0]
+            if which == "A":
+                held = held[:rank]
+            elif exact:
+                held = held[:, :rank] / scaling
+            else:
+                out[name] = None
+                continue
+            out[name] = [str(held.dtype).removeprefix("torch."), tensor_checksum(held)]
+        return out
