@@ -1,4 +1,4 @@
-"""Tests for the HF engine's streaming path (workers.engines.hf_stream): continuous batching with the trainer's logprobs.
+"""Tests for the HF engine's streaming path (workers.engines.hf_stream): continuous batching, the trainer's logprobs.
 
 A streamed group must be what the trainer recomputes (``token_logprobs`` on the collated rollouts, fp32, 1e-5)
 however its rows were admitted: left-padded into a running batch at different steps, with different prompt
@@ -168,6 +168,8 @@ def test_failing_request_fails_only_its_key(model_dir):
     engine = make_engine(model_dir, max_num_seqs=8)
     with pytest.raises(ValueError, match="empty prompt"):
         engine.submit(9, request(0, prompt={"prompt_ids": []}))
+    with pytest.raises(ValueError, match="text prompts only"):
+        engine.submit(8, request(0, prompt={"prompt_ids": [1, 5], "images": [b"\x89PNG"]}))
     engine.submit(0, request(0))
     engine.submit(1, request(1, prompt={"prompt_ids": [1, 5000]}))  # outside the vocabulary: its prefill raises
     engine.submit(2, request(2))
@@ -191,4 +193,36 @@ def test_lora_update_in_flight_keep(model_dir):
     completions = [drain(engine)[0].completions]
     assert all([v for v, _, _ in c.version_spans] == [0, 1] for c in completions[0])
     diffs = span_diffs({0: load_model(model_dir), 1: merged}, completions)
+    assert set(diffs) == {0, 1} and max(diffs.values()) <= TOL
+
+
+def test_streaming_worker_loop_on_hf_answers_every_lease_once_across_an_in_flight_update(model_dir):
+    """The worker's streaming loop (workers/streaming.py, with the channel fakes of its unit tests) on this engine:
+    each lease answered once, the update applied in flight, every rollout's spans and per-span logprobs right."""
+    from asyncrl.rollout import Rollout
+    from tests.unit.test_streaming import StagedWeights, StreamSender, _lease
+    from workers.rewards import fake_reward
+    from workers.worker import RolloutWorker
+
+    engine = make_engine(model_dir, ignore_eos=True, max_new_tokens=12, max_num_seqs=8)
+    v0 = load_model(model_dir)
+    new_state = perturbed(v0, seed=3)
+    v1 = load_model(model_dir)
+    v1.load_state_dict(new_state)
+    leases = [_lease(i, n=2, prompt={"prompt_ids": [1, 50 + i, 41]}) for i in range(4)]
+    sender = StreamSender(leases)
+    weights = StagedWeights(WeightUpdate(version=1, mode="full", tensors=new_state),
+                            ready=lambda: engine._stream is not None and any(len(s.tokens) >= 2
+                                                                              for s in engine._stream.rows))
+    w = RolloutWorker("w0", engine, fake_reward, sender, max_batch=4, slots=4, streaming=True, weights=weights,
+                      weights_in_flight="keep", catch_up_s=10.0)
+    w.run()
+    assert sorted(lid for lid, _ in sender.groups) == [x.lease_id for x in leases] and not sender.failed
+    assert weights.committed == [1] and w.inflight_updates == 1 and engine.in_flight() == 0
+    rollouts: list[Rollout] = [r for _, g in sender.groups for r in g.rollouts]
+    assert all([v for v, _, _ in r.version_spans] == [0, 1] and r.policy_version == 0 for r in rollouts)
+    completions = [[Completion(prompt_ids=r.prompt_ids, response_ids=r.response_ids, logprobs=r.logprobs,
+                               finish_reason=r.finish_reason, policy_version=r.policy_version,
+                               version_spans=list(r.version_spans)) for r in rollouts]]
+    diffs = span_diffs({0: v0, 1: v1}, completions)
     assert set(diffs) == {0, 1} and max(diffs.values()) <= TOL

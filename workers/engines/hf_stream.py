@@ -112,7 +112,8 @@ class StreamScheduler:
         """Queues ``request.n`` sequences under ``key``.
 
         Raises:
-            ValueError: a key already in flight, an empty or unrenderable prompt, ``n < 1`` (nothing is queued).
+            ValueError: a key already in flight, an empty or unrenderable prompt, an image prompt, ``n < 1``
+                (nothing is queued).
         """
         from workers.engines.hf import length_targets
 
@@ -120,6 +121,9 @@ class StreamScheduler:
             raise ValueError(f"request key {key} is already in flight")
         if request.n < 1:
             raise ValueError(f"request {key}: n={request.n} must be >= 1")
+        if isinstance(request.prompt, dict) and request.prompt.get("images"):
+            raise ValueError(f"request {key}: the HF engine streams text prompts only; image prompts need the static "
+                             "loop (worker.streaming: false)")
         e = self.engine
         prompt = e._prompt_ids(request.prompt)
         limit = request.max_new_tokens or e.config.max_new_tokens
@@ -174,7 +178,8 @@ class StreamScheduler:
             if s.spans[-1][0] != version:  # a reload of the same version continues its span
                 s.spans.append([version, len(s.tokens), len(s.tokens)])
         # The last sampled token is not in the cache yet (it is the next step's input): prefill all before it.
-        seqs = [torch.cat([s.request.prompt_ids.long(), torch.tensor(s.tokens[:-1], dtype=torch.long)]) for s in self.rows]
+        seqs = [torch.cat([s.request.prompt_ids.long(), torch.tensor(s.tokens[:-1], dtype=torch.long)])
+                for s in self.rows]
         try:
             self.cache, self.mask, _ = self._prefill(seqs)
         except Exception as e:  # deliberate fault tolerance: the rows cannot go on; their requests fail, others stay
