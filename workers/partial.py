@@ -7,6 +7,10 @@ then carries per-token ``version_spans`` such as ``[(3, 0, 16), (4, 16, 40)]`` a
 ``policy_version`` is the oldest (3), so staleness stays conservative while the trainer can mask
 or reweight by ``token_versions``. Continuation re-submits ``prompt + tokens so far`` as the next
 chunk's prompt: vLLM's prefix cache makes that cheap, the HF engine re-encodes it.
+
+This is the static loop's way (``worker.streaming: false``). The streaming loop (:mod:`workers.streaming`)
+replaces it: a streaming engine takes the update in flight, between two polls, with no re-submission, and the
+two settings are refused together.
 """
 
 from __future__ import annotations
