@@ -60,6 +60,7 @@ from asyncrl.step_metrics import batch_stats, pipeline_counters
 from asyncrl.threads import trainer_threads
 from asyncrl.timeline import new_incarnation
 from asyncrl.weights.start import start_weight_sync
+from workers.engines._multimodal import load_causal_lm, load_processor
 from workers.tiny_model import build_tiny_model
 
 # ----------------------------------------------------------------------------------------------------------------------
