@@ -26,9 +26,20 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS", "MAX_IMAGES", "ImageError", "decode_image", "image_bytes",
-           "image_provenance", "processor_inputs", "prompt_images",
-           "render_image_prompt", "verify_images"]
+__all__ = [
+    "MAX_IMAGES",
+    "MAX_IMAGE_BYTES",
+    "MAX_IMAGE_PIXELS",
+    "ImageError",
+    "decode_image",
+    "image_bytes",
+    "image_provenance",
+    "processor_inputs",
+    "prompt_images",
+    "render_image_prompt",
+    "verify_images",
+    "vision_token_ids",
+]
 
 MAX_IMAGE_BYTES = 8 * 1024 * 1024
 """Largest encoded image accepted (each one); the wire's own message limit bounds the total."""
@@ -188,3 +199,23 @@ def render_image_prompt(messages: Any, images: Sequence[bytes], processor: Any, 
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     pil = [decode_image(data) for data in images]
     return processor(text=[text], images=pil, add_special_tokens=False)["input_ids"][0]
+
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<image>")
+"""Image markup tokens a prompt may hold and a response never may (Qwen2-VL's, LLaVA's)."""
+
+
+def vision_token_ids(processor: Any) -> list[int]:
+    """The ids a vision-language policy must never sample: its image placeholder and image markup tokens.
+
+    A sampled placeholder in a response would be an image slot without an image: the trainer's forward refuses
+    it ("image features and image tokens do not match"). Engines suppress these ids (logit -inf before the
+    temperature, as ``generate(suppress_tokens=...)`` does) and :func:`asyncrl.logprobs.token_logprobs` applies
+    the same suppression, so both sides score the same distribution. ``[]`` for None (a text-only model).
+    """
+    if processor is None:
+        return []
+    tok = getattr(processor, "tokenizer", processor)
+    vocab = tok.get_vocab()
+    ids = {vocab[t] for t in (*VISION_TOKENS, getattr(processor, "image_token", None)) if t in vocab}
+    return sorted(ids)

@@ -18,7 +18,7 @@ expects, is refused with both in the message.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,7 +34,8 @@ def _check_sampling(temperature: float, top_k: int, top_p: float) -> None:
 
 
 def sampling_logprobs(
-    logits: torch.Tensor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+    logits: torch.Tensor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+    suppress_token_ids: Sequence[int] = (),
 ) -> torch.Tensor:
     """Log-softmax of the distribution sampled from, over the last dim; filtered-out tokens get ``-inf``.
 
@@ -43,6 +44,8 @@ def sampling_logprobs(
         temperature: > 0; 1 = off.
         top_k: 0 = off.
         top_p: in (0, 1]; 1 = off.
+        suppress_token_ids: ids the engines never sample (``generate(suppress_tokens=...)``: a vision-language
+            model's image tokens, :func:`asyncrl.images.vision_token_ids`), set to ``-inf`` before the warpers.
 
     Returns:
         float32 ``[..., V]`` logprobs.
@@ -57,6 +60,8 @@ def sampling_logprobs(
     shape = logits.shape
     # TopPLogitsWarper scatters along dim 1, so the warpers see [rows, V].
     scores = logits.reshape(-1, shape[-1]).float()
+    if suppress_token_ids:  # SuppressTokensLogitsProcessor: a logits processor, so before every warper
+        scores = scores.index_fill(1, torch.tensor(list(suppress_token_ids), device=scores.device), -float("inf"))
     if temperature != 1.0:
         scores = TemperatureLogitsWarper(temperature)(None, scores)
     if top_k != 0:
@@ -84,6 +89,7 @@ def token_logprobs(
     top_p: float = 1.0,
     grad: bool = False,
     images: Mapping[str, torch.Tensor] | None = None,
+    suppress_token_ids: Sequence[int] = (),
 ) -> torch.Tensor:
     """Teacher-forced sampling logprob of every token of a right-padded batch.
 
@@ -96,6 +102,7 @@ def token_logprobs(
         images: for a vision-language model, the rows' image tensors in row order (``pixel_values``, ...:
             :func:`asyncrl.images.processor_inputs` of ``batch["images"]``, the bytes the engines were given);
             the image placeholder tokens are prompt tokens, outside every ``loss_mask``.
+        suppress_token_ids: see :func:`sampling_logprobs` (a VLM's image tokens, which its engines never sample).
 
     Returns:
         float32 ``[B, L]`` on the model's device: ``out[b, t]`` = logprob of ``input_ids[b, t]`` given
@@ -111,7 +118,8 @@ def token_logprobs(
     with torch.set_grad_enabled(grad):
         logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids(mask),
                        **(images or {})).logits
-        logp = sampling_logprobs(logits[:, :-1], temperature=temperature, top_k=top_k, top_p=top_p)
+        logp = sampling_logprobs(logits[:, :-1], temperature=temperature, top_k=top_k, top_p=top_p,
+                                 suppress_token_ids=suppress_token_ids)
         picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
         picked = torch.where(mask[:, 1:].bool(), picked, torch.zeros_like(picked))
         return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
@@ -160,14 +168,15 @@ def batch_logprobs(model: torch.nn.Module, batch: Mapping[str, Any], *, grad: bo
         float32 ``[B, L]`` aligned to ``batch["input_ids"]``, on the model's device.
     """
     s = batch_sampling(batch, expected)
-    images = None
+    images, suppress = None, ()
     if any(batch.get("images") or []):
         if processor is None:
             raise ValueError("this batch has image prompts: pass the model's processor (AutoProcessor of the model "
                              "directory) so their pixel inputs are recomputed")
-        from asyncrl.images import processor_inputs
+        from asyncrl.images import processor_inputs, vision_token_ids
 
         p = next(model.parameters())
         images = processor_inputs(processor, batch["images"], device=p.device, dtype=p.dtype)
+        suppress = vision_token_ids(processor)
     return token_logprobs(model, batch["input_ids"], batch["attention_mask"], temperature=s["temperature"],
-                          top_k=s["top_k"], top_p=s["top_p"], grad=grad, images=images)
+                          top_k=s["top_k"], top_p=s["top_p"], grad=grad, images=images, suppress_token_ids=suppress)

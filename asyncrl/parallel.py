@@ -38,4 +38,7 @@ def parallelize(policy: torch.nn.Module, parallel: Literal["ddp", "fsdp2"], devi
         raise ValueError(f"train.parallel={parallel!r} must be 'ddp' or 'fsdp2'")
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    return DDP(policy, device_ids=[device.index] if device.type == "cuda" else None)
+    # a vision-language model has parameters a step may not use: text-only rows skip the vision tower, and LLaVA
+    # never uses its CLIP tower's post_layernorm (it takes a layer's hidden states); DDP must not wait for them
+    multimodal = hasattr(getattr(policy, "config", None), "vision_config")
+    return DDP(policy, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=multimodal)

@@ -28,7 +28,8 @@ class ModelConfig:
     """The policy the trainer starts from (and every engine loads)."""
 
     path: str | None = None
-    """HF model directory; None builds the tiny embedded model into ``{run_dir}/model``."""
+    """HF model directory; None builds the tiny embedded model into ``{run_dir}/model`` (the tiny vision-language
+    model of ``workers.tiny_vlm`` for ``data.source=visual_count``)."""
     dtype: str = "float32"
     """torch dtype name of the trainer's parameters and every engine's (``rollout.worker.engine.dtype``)."""
 

@@ -47,6 +47,7 @@ from asyncrl.debug.detectors import Debugger
 from asyncrl.debug.plot import plot
 from asyncrl.debug.rejection import replay_rejection, write_rejected_batch  # noqa: F401 (tests replay from here)
 from asyncrl.guard import UpdateGuard
+from asyncrl.images import processor_inputs, vision_token_ids
 from asyncrl.lifeline import die_with_parent, end_run  # noqa: F401 (tests and benchmarks end runs with it)
 from asyncrl.logprobs import batch_sampling, token_logprobs
 from asyncrl.losses import all_reduce_sum, compute_loss, mismatch_metrics
@@ -62,6 +63,7 @@ from asyncrl.timeline import new_incarnation
 from asyncrl.weights.start import start_weight_sync
 from workers.engines._multimodal import load_causal_lm, load_processor
 from workers.tiny_model import build_tiny_model
+from workers.tiny_vlm import build_tiny_vlm
 
 # ----------------------------------------------------------------------------------------------------------------------
 # the recipe
@@ -95,8 +97,9 @@ class GRPORecipe:
         dist.barrier()
         (self.run_dir / f"pid-rank{self.rank}").write_text(str(os.getpid()))  # for operators and crash tests
         model_dir = cfg.model.path or str(self.run_dir / "model")
-        if self.rank == 0 and cfg.model.path is None:
-            build_tiny_model(model_dir, seed=cfg.train.seed, dtype=cfg.model.dtype)
+        if self.rank == 0 and cfg.model.path is None:  # the visual task needs the tiny vision-language model
+            build = build_tiny_vlm if cfg.data.source == "visual_count" else build_tiny_model
+            build(model_dir, seed=cfg.train.seed, dtype=cfg.model.dtype)
         dist.barrier()
         self.model_dir = model_dir
         self.prompts = load_prompts(cfg.data, model_dir)  # rendered to token ids once, here; logs what it drops
@@ -105,7 +108,7 @@ class GRPORecipe:
             self._warm_base_for_lora()
         self._build_model(lora=bool(cfg.lora.rank))
         self.checkpointer = Checkpointer(self.ckpt_dir, self.model, self.optimizer, keep=cfg.checkpoint.keep,
-                                         hook=self._save_fault, base=self.base_ref)  # QLoRA: adapter + base's hash
+                                         hook=self._save_fault)
         latest = self.checkpointer.resolve() if self.resume else None
         if latest is not None:  # model, optimizer, RNG now; the loader's state once it exists
             resumed = self.checkpointer.load(latest)
@@ -159,25 +162,13 @@ class GRPORecipe:
         cfg = self.cfg
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.processor = load_processor(self.model_dir)  # a vision-language model's: image prompts' pixel inputs
-        self.base_ref = None
-        if lora and cfg.lora.qlora:  # the 4-bit base, loaded as every HF engine loads it (asyncrl.qlora)
-            from asyncrl.qlora import base_reference, load_quantized_base
-
-            policy = load_quantized_base(self.model_dir, dtype=cfg.model.dtype, device=self.device)
-            self.base_ref = base_reference(policy, self.model_dir)
-        else:
-            policy = load_causal_lm(self.model_dir, getattr(torch, cfg.model.dtype))
+        policy = load_causal_lm(self.model_dir, getattr(torch, cfg.model.dtype))
         policy.generation_config.top_k = None  # the trainer never samples; keep the config neutral
         if lora:
             from peft import LoraConfig, get_peft_model
 
             self.peft_config = LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, target_modules=cfg.lora.target_modules)
             policy = get_peft_model(policy, self.peft_config)
-            if self.rank == 0:  # what LoRA vs QLoRA hold (asyncrl.qlora.parameter_bytes)
-                from asyncrl.qlora import parameter_bytes
-
-                print(f"policy parameter bytes ({'qlora' if cfg.lora.qlora else 'lora'}): {parameter_bytes(policy)}",
-                      file=sys.stderr, flush=True)
         self.policy = policy.to(self.device)
         self.model = parallelize(self.policy, cfg.train.parallel, self.device)  # DDP replicas or FSDP2 shards
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -193,10 +184,15 @@ class GRPORecipe:
             idx = torch.randint(len(self.prompts), (cfg.sft_batch,), generator=gen).tolist()
             # prompt ids + answer tokens + eos; the loss masks the prompt by its tokens, not its characters
             ids, labels = sft_batch([self.prompts[i] for i in idx], self.tokenizer)
-            loss = self.model(input_ids=ids.to(self.device), labels=labels.to(self.device)).loss
+            images = self._images([self.prompts[i].get("images", []) for i in idx])
+            loss = self.model(input_ids=ids.to(self.device), labels=labels.to(self.device), **images).loss
             opt.zero_grad()
             loss.backward()
             opt.step()
+
+    def _images(self, images: list[list[bytes]] | None) -> dict[str, torch.Tensor]:
+        """The model's pixel inputs for rows' image bytes (re-run processor, asyncrl.images); {} for text rows."""
+        return processor_inputs(self.processor, images, device=self.device, dtype=self.policy.dtype) if images else {}
 
     def _start_weight_sync(self) -> None:
         # this start (or resume) of the run is a new incarnation: its weights and its pools' timeline say so,
@@ -216,7 +212,7 @@ class GRPORecipe:
             reward=cfg.reward or cfg.rollout.worker.reward,
             weights=dataclasses.replace(cfg.weights, address=self.weights_address),
             engine=dataclasses.replace(cfg.rollout.worker.engine, model=self.model_dir, lora_rank=cfg.lora.rank,
-                                       dtype=cfg.model.dtype, **({"quantization": "nf4"} if cfg.lora.qlora else {})),
+                                       dtype=cfg.model.dtype),
         )
         RewardSet.from_config(worker.reward).close()  # an unknown reward function fails here, not in every worker
         # the gate refuses token ids outside the model's vocabulary (a forged or broken worker's)
@@ -273,7 +269,8 @@ class GRPORecipe:
         sampling = batch_sampling(batch, expected={"temperature": engine.temperature, "top_k": engine.top_k,
                                                    "top_p": engine.top_p})
         t0 = time.perf_counter()
-        logp = token_logprobs(self.model, ids, attn, **sampling, grad=True)
+        logp = token_logprobs(self.model, ids, attn, **sampling, grad=True, images=self._images(batch.get("images")),
+                              suppress_token_ids=vision_token_ids(self.processor))  # what a VLM's engines never sample
         ref = (None if self.reference is None else  # loss.beta > 0: the frozen reference's logprobs, for the KL
                self.reference.logprobs(ids, attn, **sampling))
         loss, loss_metrics, advantages = compute_loss(  # advantages, then the loss_type's loss or the user's loss.fn

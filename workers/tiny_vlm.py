@@ -53,8 +53,8 @@ IMAGE_SIZE = 32
 """Side of the square the image processor resizes and crops every image to, in pixels."""
 PATCH_SIZE = 8
 """The vision tower's patch side: ``(IMAGE_SIZE // PATCH_SIZE) ** 2`` image tokens per image."""
-VISION_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                     image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, projection_dim=64)
+VISION_CONFIG = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+                 "image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE, "projection_dim": 64}
 """CLIP's vision tower at a tiny scale (head size 32)."""
 VOCAB_SIZE = 512
 

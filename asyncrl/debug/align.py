@@ -78,7 +78,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", help="recipe DCP checkpoint for the trainer side (and the engine by default)")
     p.add_argument("--engine-checkpoint", help="DCP checkpoint for the engine; 'none' = the model dir's weights")
     p.add_argument("--prompts", type=int, default=16, help="N arithmetic prompts (workers.tasks)")
-    p.add_argument("--prompts-file", help='JSONL of {"text": ...} (or {"prompt_ids": [...]}) lines instead')
+    p.add_argument("--prompts-file", help='JSONL of {"text": ...} (or {"prompt_ids": [...]}, or {"messages": [...], '
+                   '"images": [paths]} for a vision-language model) lines instead')
+    p.add_argument("--images", action="store_true", help="N image prompts of the visual task (workers.visual_task) "
+                   "instead of arithmetic: --model must be a vision-language model")
     p.add_argument("--samples", type=int, default=4, help="K responses per prompt")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=1.0)
@@ -100,12 +103,23 @@ def _read_prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     from asyncrl.codec import loads_json
     from workers.tasks import arithmetic_prompts
 
+    if args.images and not args.prompts_file:  # rendered by the model's processor, images as PNG bytes
+        from asyncrl.data import DataConfig, load_prompts
+
+        return list(load_prompts(DataConfig(source="visual_count", num_prompts=args.prompts, seed=args.seed),
+                                 args.model))
     if not args.prompts_file:
         return arithmetic_prompts(args.prompts, seed=args.seed)
     lines = [line for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
     prompts = [loads_json(line) for line in lines]
-    if not prompts or not all(isinstance(p, dict) and ("text" in p or "prompt_ids" in p) for p in prompts):
-        parser.error(f"--prompts-file {args.prompts_file}: need one JSON object with 'text' or 'prompt_ids' per line")
+    if not prompts or not all(isinstance(p, dict) and ("text" in p or "prompt_ids" in p or "images" in p)
+                              for p in prompts):
+        parser.error(f"--prompts-file {args.prompts_file}: need one JSON object with 'text', 'prompt_ids' or "
+                     "'messages' + 'images' per line")
+    if any(p.get("images") for p in prompts):
+        from asyncrl.data import DataConfig, load_prompts
+
+        return list(load_prompts(DataConfig(source="datasets", path=args.prompts_file), args.model))
     return prompts
 
 
@@ -118,9 +132,9 @@ def load_policy(model_dir: str, checkpoint: str | None, dtype: torch.dtype) -> t
     as the trainer loaded it (:func:`asyncrl.qlora.load_quantized_base`), refused if its hash differs.
     """
     import torch.distributed.checkpoint as dcp
-    from transformers import AutoModelForCausalLM
 
     from asyncrl.checkpoint import BASE, check_base
+    from workers.engines._multimodal import load_causal_lm
 
     qlora = bool(checkpoint) and (Path(checkpoint) / BASE).exists()
     if qlora:
@@ -129,7 +143,7 @@ def load_policy(model_dir: str, checkpoint: str | None, dtype: torch.dtype) -> t
         model = load_quantized_base(model_dir, dtype=str(dtype).removeprefix("torch."))
         check_base(Path(checkpoint), base_reference(model, model_dir))
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        model = load_causal_lm(model_dir, dtype)  # a vision-language model's class for a VLM directory
     if checkpoint:
         keys = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
         if any(".lora_" in k for k in keys if k.startswith(f"{CHECKPOINT_MODEL}.")):
@@ -188,20 +202,24 @@ def _generate(args: argparse.Namespace, prompts: list[Any], tokenizer: Any, mode
         completions = engine.generate(requests)
     finally:
         engine.close()
-    return groups_from_completions(completions, worker_id=f"align-{args.engine}")
+    return groups_from_completions(completions, worker_id=f"align-{args.engine}", prompts=prompts)
 
 
-def groups_from_completions(completions: list[list[Any]], *, worker_id: str) -> list[Any]:
+def groups_from_completions(completions: list[list[Any]], *, worker_id: str,
+                            prompts: list[Any] | None = None) -> list[Any]:
     """An engine's ``generate`` output (one list of completions per request, request ``i`` = prompt ``i``) as the
-    :class:`~asyncrl.rollout.Group` s a worker would send (``asyncrl check``'s logprobs stage shares it)."""
+    :class:`~asyncrl.rollout.Group` s a worker would send (``asyncrl check``'s logprobs stage shares it); with the
+    ``prompts``, image prompts' rollouts carry their images as a worker's do."""
+    from asyncrl.images import prompt_images
     from asyncrl.rollout import Group, Rollout
 
+    images = [prompt_images(p) for p in prompts] if prompts is not None else [[] for _ in completions]
     return [
         Group(epoch=0, prompt_index=i, rollouts=[
             Rollout(epoch=0, prompt_index=i, sample_index=s, worker_id=worker_id,
                     policy_version=c.policy_version, version_spans=c.version_spans, prompt_ids=c.prompt_ids,
                     response_ids=c.response_ids, logprobs=c.logprobs, loss_mask=c.loss_mask,
-                    finish_reason=c.finish_reason)
+                    finish_reason=c.finish_reason, images=list(images[i]))
             for s, c in enumerate(cs)])
         for i, cs in enumerate(completions)
     ]
@@ -258,13 +276,15 @@ def _share_groups(groups: list[Any] | None, rank: int) -> list[Any]:
 
 
 def compare(model: torch.nn.Module, groups: list[Any], *, temperature: float, top_k: int, top_p: float,
-            worst: int) -> tuple[dict[str, float], torch.Tensor]:
-    """Trainer-side logprobs of the groups' tokens against the rollout-side ones.
+            worst: int, processor: Any = None) -> tuple[dict[str, float], torch.Tensor]:
+    """Trainer-side logprobs of the groups' tokens against the rollout-side ones (image prompts: the model's
+    ``processor`` re-runs on the rollouts' image bytes).
 
     Returns:
         ``(metrics, worst_tokens)``: metrics named as ``_METRICS``; ``worst_tokens`` float64
         ``[worst, 5]`` rows of ``_WORST`` (rows of the collated batch, in group order), NaN-padded.
     """
+    from asyncrl.images import processor_inputs, vision_token_ids
     from asyncrl.logprobs import token_logprobs
     from datapipes.collate import collate_groups
 
@@ -273,8 +293,12 @@ def compare(model: torch.nn.Module, groups: list[Any], *, temperature: float, to
     row0 = 0
     for start in range(0, len(groups), per_forward):
         batch = collate_groups(groups[start : start + per_forward])
+        p = next(model.parameters())
+        images = processor_inputs(processor, batch["images"], device=p.device, dtype=p.dtype) if "images" in batch \
+            else None
         ours = token_logprobs(model, batch["input_ids"], batch["attention_mask"], temperature=temperature,
-                              top_k=top_k, top_p=top_p).cpu().double()
+                              top_k=top_k, top_p=top_p, images=images,
+                              suppress_token_ids=vision_token_ids(processor)).cpu().double()
         theirs, mask = batch["rollout_logprobs"].double(), batch["loss_mask"]
         rows, pos = mask.nonzero(as_tuple=True)
         for col, value in zip(cols, (rows + row0, pos, ours[mask], theirs[mask], (ours - theirs)[mask].abs())):
@@ -389,8 +413,10 @@ def main(argv: list[str]) -> int:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(rank)).to(p.dtype) * 1e-3)
+    from workers.engines._multimodal import load_processor
+
     metrics, top = compare(model, groups, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                           worst=args.worst)
+                           worst=args.worst, processor=load_processor(args.model))
     ranks = _gather(metrics, top, world, args.threshold)
     passed = all(r["passed"] for r in ranks)
     if rank == 0:

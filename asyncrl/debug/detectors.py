@@ -299,6 +299,7 @@ class Debugger:
             "uids": list(batch["uids"]),
             "group_ids": list(batch["group_ids"]),
             "worker_ids": list(batch["worker_ids"]),
+            **{k: batch[k] for k in ("images", "image_sha256") if k in batch},  # image prompts: bytes + hashes
             "weights": {"version": record["policy_version"],
                         "sha256": weights_checksum(weights()) if weights is not None else None},
             "gate": gate,

@@ -45,6 +45,7 @@ def write_rejected_batch(run_dir: str | os.PathLike, *, step: int, rank: int, po
         "group_ids": batch["group_ids"],
         "finish_reasons": batch["finish_reasons"],
         "reward_components": batch.get("reward_components", {}),  # per reward function (asyncrl.rewards)
+    **{k: batch[k] for k in ("images", "image_sha256") if k in batch},  # image prompts: bytes + hashes
     }
     path = write_dump(Path(run_dir) / "dumps" / f"step-{step:06d}-rank{rank}.msgpack", "rejected_batch", body)
     print(f"[rank {rank}] step {step}: update rejected ({verdict.reason}); batch dumped to {path}", file=sys.stderr)

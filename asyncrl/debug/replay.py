@@ -49,8 +49,11 @@ __all__ = ["main", "replay"]
 class _Weights:
     """Trainer-side logprobs of the dumped batch under each checkpoint, computed once per checkpoint."""
 
-    def __init__(self, model_dir: str, batch: dict[str, torch.Tensor], sampling: dict[str, Any]):
+    def __init__(self, model_dir: str, batch: dict[str, torch.Tensor], sampling: dict[str, Any],
+                 images: list[list[bytes]] | None = None):
         self.model_dir, self.batch, self.sampling = model_dir, batch, sampling
+        self.images = images
+        """Image prompts: each row's image bytes as dumped; the model's processor re-runs on them."""
         self.cache: dict[Path, torch.Tensor] = {}
 
     def logprobs(self, checkpoint: Path) -> torch.Tensor:
@@ -58,8 +61,16 @@ class _Weights:
             from asyncrl.debug.align import load_policy  # full or LoRA recipe checkpoints
 
             model = load_policy(self.model_dir, str(checkpoint), torch.float32)
+            images, suppress = None, []
+            if self.images and any(self.images):
+                from asyncrl.images import processor_inputs, vision_token_ids
+                from workers.engines._multimodal import load_processor
+
+                processor = load_processor(self.model_dir)
+                images, suppress = processor_inputs(processor, self.images), vision_token_ids(processor)
             self.cache[checkpoint] = token_logprobs(model, self.batch["input_ids"].long(),
-                                                    self.batch["attention_mask"], **self.sampling)
+                                                    self.batch["attention_mask"], **self.sampling, images=images,
+                                                    suppress_token_ids=suppress)
         return self.cache[checkpoint]
 
 
@@ -118,7 +129,9 @@ def replay(dump: str | Path, checkpoint: str | Path | None = None, *, model_dir:
     uids = body.get("uids") or [str(r) for r in range(mask.shape[0])]
 
     # the trainer side: recomputed from checkpoints when we have them, else as dumped
-    weights = _Weights(model_dir, b, body.get("sampling", {})) if model_dir else None
+    weights = _Weights(model_dir, b, body.get("sampling", {}), body.get("images")) if model_dir else None
+    if body.get("image_sha256"):  # provenance of image prompts: which images each row saw
+        report["image_sha256"] = body["image_sha256"]
     checkpoints: dict[int, Path] = {}
     search_dir = Path(search) if search else (Path(body["checkpoint_dir"]) if body.get("checkpoint_dir") else None)
     if search_dir is not None and search_dir.is_dir():

@@ -1,6 +1,6 @@
 """Image prompts through a real engine: the HF engine generates from the tiny VLM's image prompts (the visual task)
 and the trainer's recomputation on the same weights, from the rollouts' image bytes, matches its logprobs per token
-(fp32: 1e-5; bf16: 5e-2, the rounding of a bf16 forward batched differently); the image changes the logprobs
+(fp32: 1e-5, as does ``asyncrl align --images``); the image changes the logprobs
 (the pixels are used, not only the placeholders); the placeholders stay outside the loss mask. One engine per
 module. vLLM: its multimodal models import torchvision-backed processors, absent here: skipped with the reason."""
 
@@ -23,8 +23,9 @@ from workers.visual_task import draw_squares
 
 pytestmark = pytest.mark.integration
 
-THRESHOLDS = {"float32": 1e-5, "bfloat16": 5e-2}
-"""Largest |engine - trainer| logprob per token, by dtype."""
+THRESHOLDS = {"float32": 1e-5}
+"""Largest |engine - trainer| logprob per token, by dtype (bf16 is not tested with images here; the text models'
+bf16 bound, max |d| ~4e-3 on the tiny model, is in asyncrl.debug.align)."""
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +91,28 @@ def test_corrupted_image_in_a_lease_fails_that_prompt_only(engine, prompts):
         engine.generate([GenerationRequest(epoch=0, prompt_index=2, n=1, prompt=bad)])
     (cs,) = engine.generate([GenerationRequest(epoch=0, prompt_index=1, n=1, prompt=good)])
     assert cs[0].response_ids.numel() > 0
+
+
+def test_align_with_image_prompts_passes_per_token(tiny_vlm, tmp_path, capsys):
+    from asyncrl.codec import loads_json
+    from asyncrl.debug.align import main
+
+    out = tmp_path / "align.json"
+    rc = main(["--model", tiny_vlm, "--engine", "hf", "--images", "--prompts", "3", "--samples", "2",
+               "--max-new-tokens", "4", "--threshold", str(THRESHOLDS["float32"]), "--json", str(out)])
+    report = loads_json(out.read_bytes())
+    assert rc == 0 and report["passed"] and report["ranks"][0]["tokens"] > 0, capsys.readouterr().out
+    assert report["max_abs_diff"] < THRESHOLDS["float32"]
+
+
+def test_engines_never_sample_image_tokens(engine, prompts):
+    from asyncrl.images import vision_token_ids
+
+    banned = set(vision_token_ids(engine.processor))
+    assert engine.processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN) in banned
+    completions = engine.generate([GenerationRequest(epoch=0, prompt_index=i, n=4, prompt=it)
+                                   for i, it in enumerate(prompts)])
+    assert not banned & {t for cs in completions for c in cs for t in c.response_ids.tolist()}
 
 
 @pytest.mark.vllm

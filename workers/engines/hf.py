@@ -36,8 +36,9 @@ import numpy as np
 import torch
 
 from asyncrl.config import EngineConfig
-from workers.engines.base import Completion, Engine, Finished, GenerationRequest, prompt_token_ids
+from asyncrl.images import vision_token_ids
 from workers.engines._multimodal import hf_image_inputs, load_causal_lm, load_processor
+from workers.engines.base import Completion, Engine, Finished, GenerationRequest, prompt_token_ids
 
 __all__ = ["HFEngine", "length_targets"]
 
@@ -103,6 +104,7 @@ class HFEngine(Engine):
             self.model = load_causal_lm(config.model, self.dtype).to(self.device).eval()
         self.processor = load_processor(config.model)
         """The model's ``AutoProcessor`` for a vision-language model (image prompts), else None."""
+        self._suppress = vision_token_ids(self.processor)  # a VLM never samples an image slot (asyncrl.images)
         eos = self.tokenizer.eos_token_id
         if eos is None and not config.stop_token_ids:
             raise ValueError(f"tokenizer of {config.model!r} has no eos token; set engine.stop_token_ids")
@@ -213,6 +215,7 @@ class HFEngine(Engine):
                 output_scores=True,
                 eos_token_id=None if c.ignore_eos else self.stop_ids,
                 **(images or {}),
+                **({"suppress_tokens": self._suppress} if self._suppress else {}),
             )
         new = out.sequences[:, input_ids.shape[1] :]
         # One step at a time: a [N, T, V] log-softmax would double the memory generate already holds.
