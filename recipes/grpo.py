@@ -108,7 +108,7 @@ class GRPORecipe:
             self._warm_base_for_lora()
         self._build_model(lora=bool(cfg.lora.rank))
         self.checkpointer = Checkpointer(self.ckpt_dir, self.model, self.optimizer, keep=cfg.checkpoint.keep,
-                                         hook=self._save_fault)
+                                         hook=self._save_fault, base=self.base_ref)  # QLoRA: adapter + base's hash
         latest = self.checkpointer.resolve() if self.resume else None
         if latest is not None:  # model, optimizer, RNG now; the loader's state once it exists
             resumed = self.checkpointer.load(latest)
@@ -162,13 +162,25 @@ class GRPORecipe:
         cfg = self.cfg
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.processor = load_processor(self.model_dir)  # a vision-language model's: image prompts' pixel inputs
-        policy = load_causal_lm(self.model_dir, getattr(torch, cfg.model.dtype))
+        self.base_ref = None
+        if lora and cfg.lora.qlora:  # the 4-bit base, loaded as every HF engine loads it (asyncrl.qlora)
+            from asyncrl.qlora import base_reference, load_quantized_base
+
+            policy = load_quantized_base(self.model_dir, dtype=cfg.model.dtype, device=self.device)
+            self.base_ref = base_reference(policy, self.model_dir)
+        else:
+            policy = load_causal_lm(self.model_dir, getattr(torch, cfg.model.dtype))
         policy.generation_config.top_k = None  # the trainer never samples; keep the config neutral
         if lora:
             from peft import LoraConfig, get_peft_model
 
             self.peft_config = LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, target_modules=cfg.lora.target_modules)
             policy = get_peft_model(policy, self.peft_config)
+            if self.rank == 0:  # what LoRA vs QLoRA hold (asyncrl.qlora.parameter_bytes)
+                from asyncrl.qlora import parameter_bytes
+
+                print(f"policy parameter bytes ({'qlora' if cfg.lora.qlora else 'lora'}): {parameter_bytes(policy)}",
+                      file=sys.stderr, flush=True)
         self.policy = policy.to(self.device)
         self.model = parallelize(self.policy, cfg.train.parallel, self.device)  # DDP replicas or FSDP2 shards
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -212,7 +224,7 @@ class GRPORecipe:
             reward=cfg.reward or cfg.rollout.worker.reward,
             weights=dataclasses.replace(cfg.weights, address=self.weights_address),
             engine=dataclasses.replace(cfg.rollout.worker.engine, model=self.model_dir, lora_rank=cfg.lora.rank,
-                                       dtype=cfg.model.dtype),
+                                       dtype=cfg.model.dtype, **({"quantization": "nf4"} if cfg.lora.qlora else {})),
         )
         RewardSet.from_config(worker.reward).close()  # an unknown reward function fails here, not in every worker
         # the gate refuses token ids outside the model's vocabulary (a forged or broken worker's)
