@@ -254,6 +254,8 @@ def test_refusals_say_why():
 
     with pytest.raises(ValueError, match="lora.qlora=true needs lora.rank > 0"):
         load_config(None, ["lora.qlora=true"])
+    with pytest.raises(ValueError, match="train.parallel=fsdp2: QLoRA runs with train.parallel=ddp only"):
+        load_config(None, ["lora.qlora=true", "lora.rank=8", "train.parallel=fsdp2"])
     with pytest.raises(ValueError, match="no bitsandbytes quantization method"):
         load_config(None, ["lora.qlora=true", "lora.rank=8", "rollout.worker.engine.type=vllm"])
     with pytest.raises(ValueError, match="engine.type=vllm: vLLM cannot hold the QLoRA base"):
