@@ -5,14 +5,18 @@
 * an in-flight full update (``keep``): the requests in flight come back with per-token version spans that change at
   the update, and every span's logprobs equal the trainer's recomputation (``asyncrl.logprobs.token_logprobs``) under
   that span's weights: the tokens after the update were computed on the prefix re-encoded with the new weights, not
-  on KV cache from the old ones (vLLM's recompute preemption at the pause);
+  on KV cache from the old ones (vLLM's recompute preemption at the pause); the control: vLLM's pause with
+  ``clear_cache=False`` keeps that KV cache, and the post-update tokens then do not match;
 * ``abort``: every group in flight comes back ``Finished(aborted=True)`` once, nothing else of it, and the next
   submission of it is generated whole under the new weights;
 * an in-flight LoRA update (``keep``): the adapter reaches the requests in flight (and a request submitted before
   the engine had any adapter comes back aborted);
 * an update refused in flight (a wrong shape) leaves the requests in flight decoding on the old weights;
 * a request vLLM refuses (too long, a token outside the vocabulary) fails alone; the others go on; a failing
-  engine step fails the groups in flight with its error, and the engine serves the next ones.
+  engine step fails the groups in flight with its error, and the engine serves the next ones;
+* the worker's streaming loop on this engine answers every lease once across an in-flight update.
+
+The tests share the engine in file order: its policy version rises from test to test (each says which it holds).
 """
 
 from __future__ import annotations
