@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -142,11 +143,14 @@ def _resumed(chain: Chain, ctx: CheckContext) -> torch.nn.Module:
         from asyncrl.qlora import base_reference
 
         base = base_reference(chain.policy, ctx.model)
-    Checkpointer(root, chain.policy, chain.optimizer, _NoLoader(), base=base).save(step=1, policy_version=chain.version)
     fresh = load_trainer_policy(ctx)
     optimizer = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-2)
     saver = Checkpointer(root, fresh, optimizer, base=base)
-    saver.load(saver.resolve(), loader=False)
+    with warnings.catch_warnings():  # "assuming the intent is to save/load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        Checkpointer(root, chain.policy, chain.optimizer, _NoLoader(), base=base).save(step=1,
+                                                                                     policy_version=chain.version)
+        saver.load(saver.resolve(), loader=False)
     return fresh.eval()
 
 

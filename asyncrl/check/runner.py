@@ -229,6 +229,7 @@ def format_table(results: list[StageResult]) -> str:
 def main(argv: list[str]) -> int:
     """``asyncrl check``; returns 0 (all passed), 1 (a stage failed); usage errors exit 2."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # this process and every one it starts: one table
     ctx, stages, json_path = parse_context(argv)
     t0 = time.perf_counter()
     results = run_check(ctx, stages)

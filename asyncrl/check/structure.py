@@ -78,6 +78,10 @@ def _compare_vllm(trainer: dict[str, Any], engine: dict[str, Any]) -> tuple[list
                               "engine": held_dtype})
         mapping[name] = key if fused is None else f"{key}[{fused} shard {index}]"
         covered.setdefault(key, set()).add(index)
+    for group in engine["tied"]:  # one storage under several names (vLLM's tied lm_head): covered together
+        if shared := [covered[n] for n in group if n in covered]:
+            for n in group:
+                covered.setdefault(n, set()).update(*shared)
     for key, (shape, _) in sorted(theirs.items()):
         module_path = key.rpartition(".")[0]
         fused = module_path.rpartition(".")[2]
