@@ -141,7 +141,7 @@ def _padding_invariance(policy: torch.nn.Module, batch: dict[str, Any], sampling
         for b in (wide, other):
             lp = token_logprobs(policy, b["input_ids"], b["attention_mask"], **sampling)
             losses.append(float((compute_loss(b, lp, config=config)[0] - loss).abs()))
-            logp.append(float((lp[:, :width] - base).abs()[batch["attention_mask"].bool()].max()))
+            logp.append(float(_abs_diff(lp[:, :width], base)[batch["attention_mask"].bool()].max()))
     return max(losses), max(logp)
 
 
@@ -169,7 +169,7 @@ def _positions(policy: torch.nn.Module, batch: dict[str, Any], sampling: dict[st
                                   f"tokens are {pos[:6].tolist()}... instead of 0, 1, 2... (inconsistent with the "
                                   "attention mask)", "first_wrong_token": int(wrong[0])})
             got = lp.token_logprobs(policy, v_ids, v_mask, **sampling)[0, real]
-            d = (got - base).abs()
+            d = _abs_diff(got, base)
             d[0] = 0.0  # the first real token has no logprob in either
             worst[side] = max(worst[side], float(d.max()))
             if not float(d.max()) <= limit:
@@ -177,6 +177,13 @@ def _positions(policy: torch.nn.Module, batch: dict[str, Any], sampling: dict[st
                                   "row differ from the unpadded row (positions or attention mask mishandled)",
                                   "max_abs": float(d.max()), "token": int(d.argmax()), "limit": limit})
     return offenders, worst
+
+
+def _abs_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``|a - b|`` with equal infinities as 0 (``token_logprobs`` gives ``-inf`` to a prompt token outside top-k/top-p)
+    and inf where only one side is finite."""
+    same = (a == b) | (a.isnan() & b.isnan())
+    return torch.where(same, torch.zeros_like(a), (a - b).abs().nan_to_num(nan=math.inf))
 
 
 def _layer(name: str) -> str:

@@ -125,12 +125,17 @@ def test_checkpoint_names_the_optimizer_state_a_resume_dropped(char_model, tmp_p
 
 # -- loss ----------------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("which,lora", [("char", 0), ("chat", 4), pytest.param("char", 4, marks=pytest.mark.extended),
-                                        pytest.param("chat", 0, marks=pytest.mark.extended)])
-def test_loss_one_grpo_step_on_the_engines_rollouts(request, tmp_path, which, lora):
+TOPK = {"temperature": 0.9, "top_k": 20, "top_p": 0.95}
+"""Truncated sampling: prompt tokens outside the top-k/top-p set get -inf trainer logprobs (equal on both sides)."""
+
+
+@pytest.mark.parametrize("which,lora,sampling", [
+    ("char", 0, {}), ("chat", 4, {}), ("char", 0, TOPK),
+    pytest.param("char", 4, {}, marks=pytest.mark.extended), pytest.param("chat", 0, TOPK, marks=pytest.mark.extended)])
+def test_loss_one_grpo_step_on_the_engines_rollouts(request, tmp_path, which, lora, sampling):
     from asyncrl.check import loss as stage
 
-    result = stage.run(_model_ctx(request, which, tmp_path, lora_rank=lora, ranks=[1]))
+    result = stage.run(_model_ctx(request, which, tmp_path, lora_rank=lora, ranks=[1], **sampling))
     _passes(result)
     m = result.metrics
     assert m["response_tokens"] > 0 and m["advantages_nonzero"] == m["rows"]
@@ -146,3 +151,13 @@ def test_loss_names_positions_shifted_for_left_padded_rows(char_model, tmp_path)
     assert not result.ok
     assert set(_names(result)) == {"position_ids (left padding)"}, result.offenders  # right padding is fine
     assert "instead of 0, 1, 2" in result.offenders[0]["what"]
+
+
+@pytest.mark.slow
+def test_parallel_fails_naming_a_rank_that_died(char_model, tmp_path):
+    from asyncrl.check import parallel as stage
+
+    result = stage.run(_ctx(char_model, tmp_path, parallel="fsdp2", ranks=[2],
+                            imports=["tests.integration._fault_rank_dies"]))
+    assert not result.ok and result.offenders[0]["what"] == "a rank failed", result.offenders
+    assert "rank 1 exited 3" in result.offenders[0]["error"] and "dying at start-up" in result.offenders[0]["error"]
