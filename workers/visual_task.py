@@ -3,7 +3,7 @@
 A prompt is ``{"messages": [user: image + question], "images": [PNG bytes], "answer": "3"}``: chat turns whose
 ``{"type": "image"}`` part the model's chat template renders as its image placeholder, the image as encoded bytes
 (what travels in a lease), and the answer that :func:`asyncrl.reward_funcs.arithmetic_reward` holds the response
-to (1 for the exact digit). Squares are red on a white ground with blue distractor squares, never overlapping,
+to (1 for the exact digit). Squares are red on a white ground (optionally with blue distractors), never overlapping,
 each :data:`SQUARE` px, at random cells of a grid that fits the image the tiny VLM's processor keeps
 (``workers.tiny_vlm.IMAGE_SIZE``). Deterministic from ``seed``; PNG encoding is lossless, so the bytes are the
 pixels.
@@ -44,8 +44,9 @@ def draw_squares(count: int, *, distractors: int = 0, size: int = 32, seed: int 
 
 
 def visual_count_prompts(n: int, *, seed: int = 0, max_count: int = 4, size: int = 32,
-                         distractors: bool = True) -> list[dict]:
-    """``n`` deterministic prompts (chat turns + one PNG) with their answers, counts uniform in 1..``max_count``."""
+                         distractors: bool = False) -> list[dict]:
+    """``n`` deterministic prompts (chat turns + one PNG) with their answers, counts uniform in 1..``max_count``;
+    ``distractors``: 0-2 blue squares besides (a harder variant than the tiny VLM's CPU recipe learns)."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):

@@ -93,6 +93,12 @@ def test_corrupted_image_in_a_lease_fails_that_prompt_only(engine, prompts):
     assert cs[0].response_ids.numel() > 0
 
 
+def test_streaming_refuses_image_prompts_with_the_fix(engine, prompts):
+    with pytest.raises(ValueError, match="worker.streaming off"):
+        engine.submit(0, GenerationRequest(epoch=0, prompt_index=0, n=1, prompt=prompts[0]))
+    assert engine.in_flight() == 0
+
+
 def test_align_with_image_prompts_passes_per_token(tiny_vlm, tmp_path, capsys):
     from asyncrl.codec import loads_json
     from asyncrl.debug.align import main

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from asyncrl.config import EngineConfig
-from asyncrl.images import vision_token_ids
+from asyncrl.images import prompt_images, vision_token_ids
 from workers.engines._multimodal import hf_image_inputs, load_causal_lm, load_processor
 from workers.engines.base import Completion, Engine, Finished, GenerationRequest, prompt_token_ids
 
@@ -252,8 +252,11 @@ class HFEngine(Engine):
         """Queues ``request.n`` samples for the running batch (decoded in :meth:`poll`).
 
         Raises:
-            ValueError: an empty or unrenderable prompt, ``n < 1`` or a key already in flight.
+            ValueError: an empty or unrenderable prompt, ``n < 1``, a key already in flight, or an image prompt.
         """
+        if prompt_images(request.prompt):  # the scheduler's rows carry no pixel inputs (yet)
+            raise ValueError("the streaming HF engine does not take image prompts yet: run a vision-language model "
+                             "with worker.streaming off (static batches pass the images to generate)")
         if self._stream is None:
             from workers.engines.hf_stream import StreamScheduler
 
