@@ -12,7 +12,8 @@ this stage accepts is the one the checksums of ``weight_sync`` read. Offenders: 
 tensor (``missing at the engine``), an engine tensor no trainer tensor maps to (``extra at the engine``; a
 fused one lists its uncovered shards), shapes or dtypes that differ, and ties present on one side only.
 With ``--lora`` the base model is checked (the adapter's names are the peft ones on both sides:
-``weight_sync`` checks them tensor by tensor).
+``weight_sync`` checks them tensor by tensor); with ``--qlora`` the 4-bit base on both sides (packed weights and
+their quantization state tensors included).
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def run(ctx: CheckContext) -> StageResult:
     from asyncrl.check._chain import Chain, load_trainer_policy, shared_chain
 
     t0 = time.perf_counter()
-    base = dataclasses.replace(ctx, lora_rank=0, qlora=False)
+    base = dataclasses.replace(ctx, lora_rank=0)  # with --qlora: the 4-bit base, as the engine holds it
     trainer = trainer_structure(load_trainer_policy(base))
     if ctx.lora_rank and ctx.engine == "vllm":  # vLLM's LoRA layers rename the base: the base alone, on its own
         with Chain(base, "structure") as chain:

@@ -90,6 +90,15 @@ def test_check_lora_and_chat_template_pass(models, tiny_chat_model):
     assert code == 0, summary
 
 
+@pytest.mark.slow
+def test_check_qlora_adapter_on_the_4bit_base_passes(models):
+    code, summary = _check(models, "qlora", "--model", str(models["tiny"]), "--lora", "4", "--qlora",
+                           "--stages", ",".join(MINE))
+    assert code == 0, summary
+    assert _stage(summary, "structure")["metrics"]["engine_tensors"] > 27  # the 4-bit base's quantization state too
+    assert _stage(summary, "weight_sync")["metrics"]["mode"] == "lora"
+
+
 def test_check_mha_tied_model_passes_and_reports_the_tie(models):
     code, summary = _check(models, "mha-tied", "--model", str(models["mha_tied"]), "--stages", ",".join(MINE))
     assert code == 0, summary
@@ -144,7 +153,8 @@ def test_check_runner_reports_a_raising_stage_and_refuses_bad_usage(models, caps
     assert all(not s["ok"] and "engine process" in s["summary"] for s in summary["stages"])
     assert "deliberately broken" in _stage(summary, "weight_sync")["offenders"][0]["what"]
     for bad in (["--ranks", "0"], ["--threshold", "logprobs.nope=1"], ["--stages", "structure,bogus"],
-                ["--engine", "tests.integration._check_faults:mha_tied_model"], ["--qlora"]):
+                ["--engine", "tests.integration._check_faults:mha_tied_model"], ["--qlora"],
+                ["--lora", "4", "--qlora", "--engine", "vllm"], ["--lora", "4", "--qlora", "--parallel", "fsdp2"]):
         with pytest.raises(SystemExit) as e:
             check_main(["--model", str(models["tiny"]), *bad])
         assert e.value.code == 2, bad
