@@ -88,9 +88,11 @@ def launch_ranks(argv: list[str], nproc: int, *, timeout_s: float = 600.0, env: 
                                       cwd=str(cwd or _REPO)))
     deadline = time.monotonic() + timeout_s
     try:
-        while any(p.poll() is None for p in procs):
-            failed = any(p.returncode not in (None, 0) for p in procs)
-            if failed or time.monotonic() > deadline:
+        while True:
+            codes = [p.poll() for p in procs]  # every process each round: any() would stop at the first live one
+            if all(c is not None for c in codes):
+                break
+            if any(c not in (None, 0) for c in codes) or time.monotonic() > deadline:
                 for p in procs:  # the others would wait in a collective for the dead rank until their timeout
                     if p.poll() is None:
                         p.kill()
