@@ -55,7 +55,7 @@ from asyncrl.parallel import parallelize
 from asyncrl.policy_sync import PolicySync
 from asyncrl.recipe_config import RecipeConfig, load_config  # the run file's sections, one per component
 from asyncrl.reference import ReferencePolicy
-from asyncrl.rewards import RewardSet, component_means
+from asyncrl.rewards import RewardSet, component_means, reward_weights
 from asyncrl.run_dir import RunDirLocked, continue_records, hold_run_dir, record_files
 from asyncrl.step_metrics import batch_stats, pipeline_counters
 from asyncrl.threads import trainer_threads
@@ -227,6 +227,7 @@ class GRPORecipe:
                                        dtype=cfg.model.dtype, **({"quantization": "nf4"} if cfg.lora.qlora else {})),
         )
         RewardSet.from_config(worker.reward).close()  # an unknown reward function fails here, not in every worker
+        self.reward_weights = reward_weights(worker.reward)  # loss.multi_objective_aggregation: normalize_then_sum
         # the gate refuses token ids outside the model's vocabulary (a forged or broken worker's)
         gate = dataclasses.replace(cfg.rollout.gate, vocab_size=cfg.rollout.gate.vocab_size or self.policy.config.get_text_config().vocab_size)
         loader_cfg = dataclasses.replace(cfg.rollout, worker=worker, drop_remainder=True, gate=gate)
@@ -287,7 +288,7 @@ class GRPORecipe:
                self.reference.logprobs(ids, attn, **sampling))
         loss, loss_metrics, advantages = compute_loss(  # advantages, then the loss_type's loss or the user's loss.fn
             {**batch, "rewards": rewards}, logp, config=cfg.loss, trainer_version=self.version, ref_logprobs=ref,
-            all_reduce=all_reduce_sum)
+            all_reduce=all_reduce_sum, reward_weights=self.reward_weights)
         mismatch = mismatch_metrics(logp.detach(), dev(batch["rollout_logprobs"]), mask)
         self.optimizer.zero_grad(set_to_none=True)  # the warm start's optimizer leaves its last gradients
         lr = cfg.train.lr * min(1.0, self.step / max(1, cfg.train.warmup_steps))
