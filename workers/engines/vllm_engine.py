@@ -15,8 +15,9 @@ vLLM's worker runs in this process (the default), from the shm segment's file wh
 counted in ``weight_transfer_stats["rpc"]``: safetensors bytes to the worker extension's ``reload_weights`` when
 vLLM's worker is another process and the update is not in a shm segment (zmq/nccl receivers with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` or tensor parallelism). A LoRA update is written as a peft adapter
-directory and served with ``LoRARequest(..., load_inplace=True)`` (a plain re-send would serve the cached
-adapter). After
+directory and loaded once, at the update, with ``add_lora(LoRARequest(..., load_inplace=True))`` (a plain
+re-send would serve the cached adapter); requests then name it without ``load_inplace``, which would reload it from
+disk at every scheduler step (measured: ~20 % of the decode time of the tiny model on CPU). After
 each update the engine labels vLLM's weights with the policy version (``update_weight_version``),
 so every output reports per-token ``weight_versions`` spans and the rollout's version is read
 from vLLM, not assumed. The engine runs in-process by default (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
@@ -161,7 +162,7 @@ class VLLMEngine(Engine):
     def _lora_request(self) -> Any:
         from vllm.lora.request import LoRARequest
 
-        return LoRARequest(LORA_NAME, 1, str(self._lora_dir), load_inplace=True) if self._lora_dir else None
+        return LoRARequest(LORA_NAME, 1, str(self._lora_dir)) if self._lora_dir else None
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
         """A static batch: every request at once, back when the longest row is done.
@@ -338,6 +339,11 @@ class VLLMEngine(Engine):
         config = dict(update.lora_config or {})
         config.setdefault("peft_type", "LORA")
         (self._lora_dir / "adapter_config.json").write_text(json.dumps(config, default=_json_default))
+        from vllm.lora.request import LoRARequest
+
+        # replaces the adapter under its id now (requests in flight name that id: they go on with this one), and
+        # refuses bad adapter files here rather than at the next request
+        self.llm.llm_engine.add_lora(LoRARequest(LORA_NAME, 1, str(self._lora_dir), load_inplace=True))
 
     def close(self) -> None:
         if self._streamer is not None:

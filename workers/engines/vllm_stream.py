@@ -33,7 +33,8 @@ In-flight weight updates (``engine.weights_in_flight``, set by the worker):
   update is computed on KV cache from the old weights: the tokens before the update are the old policy's
   (logprobs under the old weights), those after are the new policy's on the whole prefix re-encoded (logprobs under
   the new weights): the trainer's recomputation per span matches. The price is one prefill per request in flight.
-  A LoRA update reaches a request in flight through its ``LoRARequest(..., load_inplace=True)``; a request
+  A LoRA update reaches a request in flight through the adapter id its ``LoRARequest`` names, whose adapter the
+  update replaces in place (``add_lora(..., load_inplace=True)``); a request
   submitted before the engine had any adapter carries none and could not be moved onto it: such a request is
   aborted and comes back ``Finished(aborted=True)`` (the worker submits it again), as in ``abort``.
 * ``abort``: every request in flight is aborted before the load; each group comes back from :meth:`poll` as
