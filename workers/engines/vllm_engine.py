@@ -321,8 +321,9 @@ class VLLMEngine(Engine):
 
     def weight_checksums(self, mode: str, names: list[str]) -> dict[str, tuple[str, int] | None]:
         """``full``: computed by the worker extension over the model runner's parameters (fused ``qkv_proj`` /
-        ``gate_up_proj`` sliced back into the trainer's names). ``lora``: vLLM loads an adapter lazily, at the
-        next request that names it, so none can be read at the safe point: every name is unverifiable (None)."""
+        ``gate_up_proj`` sliced back into the trainer's names). ``lora``: the adapter is loaded at the update
+        (``add_lora``) into vLLM's LoRA manager, whose stacked slots are not read back here yet: every name is
+        unverifiable (None)."""
         if mode != "full":
             return {n: None for n in names}
         held = self._on_engine(lambda: self.llm.collective_rpc("asyncrl_weight_checksums", args=(list(names),)))[0]
