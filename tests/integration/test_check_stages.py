@@ -131,7 +131,9 @@ TOPK = {"temperature": 0.9, "top_k": 20, "top_p": 0.95}
 
 @pytest.mark.parametrize("which,lora,sampling", [
     ("char", 0, {}), ("chat", 4, {}), ("char", 0, TOPK),
-    pytest.param("char", 4, {}, marks=pytest.mark.extended), pytest.param("chat", 0, TOPK, marks=pytest.mark.extended)])
+    pytest.param("char", 4, {}, marks=pytest.mark.extended), pytest.param("chat", 0, TOPK, marks=pytest.mark.extended),
+    pytest.param("char", 0, {"engine": "vllm"}, marks=[pytest.mark.vllm, pytest.mark.extended]),
+    pytest.param("chat", 4, {"engine": "vllm"}, marks=[pytest.mark.vllm, pytest.mark.extended])])
 def test_loss_one_grpo_step_on_the_engines_rollouts(request, tmp_path, which, lora, sampling):
     from asyncrl.check import loss as stage
 
