@@ -183,7 +183,7 @@ def _abs_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``|a - b|`` with equal infinities as 0 (``token_logprobs`` gives ``-inf`` to a prompt token outside top-k/top-p)
     and inf where only one side is finite."""
     same = (a == b) | (a.isnan() & b.isnan())
-    return torch.where(same, torch.zeros_like(a), (a - b).abs().nan_to_num(nan=math.inf))
+    return torch.where(same, torch.zeros_like(a), (a - b).abs().nan_to_num(nan=math.inf, posinf=math.inf))
 
 
 def _layer(name: str) -> str:
