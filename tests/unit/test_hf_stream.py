@@ -168,7 +168,7 @@ def test_failing_request_fails_only_its_key(model_dir):
     engine = make_engine(model_dir, max_num_seqs=8)
     with pytest.raises(ValueError, match="empty prompt"):
         engine.submit(9, request(0, prompt={"prompt_ids": []}))
-    with pytest.raises(ValueError, match="text prompts only"):
+    with pytest.raises(ValueError, match="image prompts"):
         engine.submit(8, request(0, prompt={"prompt_ids": [1, 5], "images": [b"\x89PNG"]}))
     engine.submit(0, request(0))
     engine.submit(1, request(1, prompt={"prompt_ids": [1, 5000]}))  # outside the vocabulary: its prefill raises
