@@ -6,6 +6,7 @@
                   reasoning_gym  ──► reasoning_gym.create_dataset(task, size, seed)   rows: question, answer, metadata
                   arithmetic     ──► workers.tasks.arithmetic_prompts (the embedded task)
                   visual_count   ──► workers.visual_task.visual_count_prompts (Pillow images, "how many red squares?")
+                  visual_colour  ──► workers.visual_task.visual_colour_prompts ("what colour is the square?")
           │ each row: the prompt column (text, or chat ``messages``) + other columns (+ ``images``: bytes or paths)
           ▼
     render_prompt(prompt, tokenizer)  ──► prompt_ids (chat template with add_generation_prompt=True, or bos + text)
@@ -49,13 +50,14 @@ DEFAULT_NUM_PROMPTS = 1024
 class DataConfig:
     """Where the prompts come from and how they become token ids (``asyncrl.data``)."""
 
-    source: Literal["arithmetic", "datasets", "reasoning_gym", "visual_count"] = "arithmetic"
+    source: Literal["arithmetic", "datasets", "reasoning_gym", "visual_count", "visual_colour"] = "arithmetic"
     """``arithmetic``: the embedded task (``workers.tasks``, text prompts with an ``answer``); ``datasets``: a
     file, directory or hub dataset loaded with ``datasets.load_dataset`` (``path``); ``reasoning_gym``: a
     procedural task of reasoning-gym (``task``), rows ``question`` (the prompt), ``answer``, ``metadata``;
     ``visual_count``: "how many red squares?" over a Pillow image (:mod:`workers.visual_task`), for a
-    vision-language model. A row of any source may carry ``images`` (encoded bytes or paths) referenced by
-    ``{"type": "image"}`` parts of its chat ``messages``: rendered with the model's processor."""
+    vision-language model; ``visual_colour``: "what colour is the square?" (red, green, blue, yellow), the easier
+    visual task the tiny VLM learns on CPU. A row of any source may carry ``images`` (encoded bytes or paths)
+    referenced by ``{"type": "image"}`` parts of its chat ``messages``: rendered with the model's processor."""
     path: str | None = None
     """``datasets``: a local file (``.jsonl``, ``.json``, ``.parquet``, ``.csv``, ``.arrow``), a directory of such
     files, or a hub dataset name (needs the network)."""
@@ -291,6 +293,11 @@ def _rows(config: DataConfig) -> tuple[list[dict[str, Any]], str, str | None]:
 
         n = config.num_prompts or DEFAULT_NUM_PROMPTS
         return visual_count_prompts(n, seed=config.seed), "visual_count task", "messages"
+    if config.source == "visual_colour":
+        from workers.visual_task import visual_colour_prompts
+
+        n = config.num_prompts or DEFAULT_NUM_PROMPTS
+        return visual_colour_prompts(n, seed=config.seed), "visual_colour task", "messages"
     if config.source == "arithmetic":
         from workers.tasks import arithmetic_prompts
 

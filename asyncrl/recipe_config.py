@@ -29,7 +29,7 @@ class ModelConfig:
 
     path: str | None = None
     """HF model directory; None builds the tiny embedded model into ``{run_dir}/model`` (the tiny vision-language
-    model of ``workers.tiny_vlm`` for ``data.source=visual_count``)."""
+    model of ``workers.tiny_vlm`` for ``data.source=visual_count`` or ``visual_colour``)."""
     dtype: str = "float32"
     """torch dtype name of the trainer's parameters and every engine's (``rollout.worker.engine.dtype``)."""
 

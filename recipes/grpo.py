@@ -98,7 +98,7 @@ class GRPORecipe:
         (self.run_dir / f"pid-rank{self.rank}").write_text(str(os.getpid()))  # for operators and crash tests
         model_dir = cfg.model.path or str(self.run_dir / "model")
         if self.rank == 0 and cfg.model.path is None:  # the visual task needs the tiny vision-language model
-            build = build_tiny_vlm if cfg.data.source == "visual_count" else build_tiny_model
+            build = build_tiny_vlm if cfg.data.source in ("visual_count", "visual_colour") else build_tiny_model
             build(model_dir, seed=cfg.train.seed, dtype=cfg.model.dtype)
         dist.barrier()
         self.model_dir = model_dir
