@@ -1,8 +1,8 @@
 """The visual colour task (``workers.visual_task.visual_colour_prompts``, ``data.source=visual_colour``): its
 prompts are deterministic from the seed, each image holds exactly one square of the answer's colour on white, the
 colours are all used, an unknown colour is refused; it loads through ``asyncrl.data`` with the tiny VLM's image
-placeholders. Extended (not in CI): a short supervised run of the tiny VLM learns it well above chance, the learning
-probe that showed the count task stays at chance while this one does not."""
+placeholders. Extended (not in CI): a short supervised run of the tiny VLM learns it well above chance (the probe
+that showed the model's vision features reach its language model)."""
 
 from __future__ import annotations
 
