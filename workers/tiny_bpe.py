@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 from pathlib import Path
 
-from workers.tiny_model import TINY_CONFIG
+from workers.tiny_model import TINY_CONFIG, save_model_dir
 
 __all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "build_tiny_chat_model", "corpus"]
 
@@ -145,13 +144,4 @@ def build_tiny_chat_model(path: str | os.PathLike, *, seed: int = 0, dtype: str 
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
     model.generation_config.bos_token_id = None
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.rename(tmp, path)
-    except OSError:  # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    return save_model_dir(path, model, tokenizer)

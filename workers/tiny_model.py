@@ -10,10 +10,12 @@ in place of this one on a GPU machine). Head size 32 is one the vLLM CPU attenti
 from __future__ import annotations
 
 import os
+import shutil
 import string
 from pathlib import Path
+from typing import Any
 
-__all__ = ["TINY_CONFIG", "build_tiny_model", "char_vocab"]
+__all__ = ["TINY_CONFIG", "build_tiny_model", "char_vocab", "save_model_dir"]
 
 SPECIAL = ["<pad>", "<bos>", "<eos>"]
 TINY_CONFIG = dict(
@@ -73,14 +75,21 @@ def build_tiny_model(path: str | os.PathLike, *, seed: int = 0, vocab_size: int 
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
+    return save_model_dir(path, model, tokenizer)
+
+
+def save_model_dir(path: Path, model: Any, *others: Any) -> Path:
+    """Saves ``model`` (safetensors) and ``others`` (tokenizer, processor) with ``save_pretrained`` into a fresh
+    sibling directory, then renames it to ``path``: a reader (another test process building the same model) never
+    sees a half-written directory, and when two processes build it at once the first rename wins."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
+    for other in others:
+        other.save_pretrained(tmp)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.rename(tmp, path)
     except OSError:  # another process finished first
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
     return path

@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 from pathlib import Path
 
-from workers.tiny_model import TINY_CONFIG
+from workers.tiny_model import TINY_CONFIG, save_model_dir
 
 __all__ = ["IMAGE_SIZE", "IMAGE_TOKEN", "PATCH_SIZE", "VISION_TOKENS", "VLM_CHAT_TEMPLATE", "build_tiny_vlm", "main"]
 
@@ -121,16 +120,7 @@ def build_tiny_vlm(path: str | os.PathLike, *, seed: int = 0, dtype: str = "floa
     model.generation_config.bos_token_id = None
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    processor.save_pretrained(tmp)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.rename(tmp, path)
-    except OSError:  # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    return save_model_dir(path, model, processor)
 
 
 def main(argv: list[str] | None = None) -> None:
