@@ -80,6 +80,7 @@ def test_check_cli_on_the_tiny_model_at_1_and_2_ranks(models, capsys):
     assert "stage" in proc.stdout and "seconds" in proc.stdout
 
 
+@pytest.mark.extended  # healthy variants; make test keeps the CLI run and every fault
 def test_check_lora_and_chat_template_pass(models, tiny_chat_model):
     code, summary = _check(models, "lora", "--model", str(models["tiny"]), "--lora", "4", "--stages", ",".join(MINE))
     assert code == 0, summary
@@ -90,6 +91,7 @@ def test_check_lora_and_chat_template_pass(models, tiny_chat_model):
     assert code == 0, summary
 
 
+@pytest.mark.extended  # healthy variants; make test keeps the CLI run and every fault
 @pytest.mark.slow
 def test_check_qlora_adapter_on_the_4bit_base_passes(models):
     code, summary = _check(models, "qlora", "--model", str(models["tiny"]), "--lora", "4", "--qlora",
@@ -99,6 +101,7 @@ def test_check_qlora_adapter_on_the_4bit_base_passes(models):
     assert _stage(summary, "weight_sync")["metrics"]["mode"] == "lora"
 
 
+@pytest.mark.extended  # healthy variants; make test keeps the CLI run and every fault
 def test_check_mha_tied_model_passes_and_reports_the_tie(models):
     code, summary = _check(models, "mha-tied", "--model", str(models["mha_tied"]), "--stages", ",".join(MINE))
     assert code == 0, summary
@@ -162,6 +165,7 @@ def test_check_runner_reports_a_raising_stage_and_refuses_bad_usage(models, caps
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.extended  # the vLLM engine through every stage (make test-all); make test checks faults on HF
 def test_check_vllm_full_and_lora_pass_and_an_ignored_lora_update_fails(models):
     code, summary = _check(models, "vllm", "--model", str(models["mha_tied"]), "--engine", "vllm",
                            "--stages", ",".join(MINE))

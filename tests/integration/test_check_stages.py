@@ -11,11 +11,30 @@ Rank launches cost an interpreter start each, so the matrix is split: the common
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from asyncrl.check import CheckContext, StageResult
 
 pytestmark = [pytest.mark.integration]
+
+
+@pytest.fixture(autouse=True)
+def _undo_fault_patches():
+    """A stage imports ``ctx.imports`` in this process too (the ``loss`` stage runs here), so a fault module's
+    monkeypatch would outlive its test and break every later test of the library function it replaces (in CI it
+    failed the Checkpointer and QLoRA checkpoint tests that ran after this file): put the functions back and
+    forget the fault modules after each test."""
+    import asyncrl.logprobs
+    import asyncrl.parallel
+    from asyncrl.checkpoint import Checkpointer
+
+    saved = (Checkpointer.load_model, asyncrl.logprobs.position_ids, asyncrl.parallel.parallelize)
+    yield
+    Checkpointer.load_model, asyncrl.logprobs.position_ids, asyncrl.parallel.parallelize = saved
+    for name in [m for m in sys.modules if m.startswith("tests.integration._fault_")]:
+        del sys.modules[name]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +68,7 @@ def _passes(result: StageResult) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("which,parallel,lora,ranks", [
     ("char", "fsdp2", 0, [1, 2]),
-    ("chat", "fsdp2", 4, [2]),
+    pytest.param("chat", "fsdp2", 4, [2], marks=pytest.mark.extended),  # make test: the CLI run's DDP + this FSDP2
     pytest.param("char", "ddp", 4, [1, 2], marks=pytest.mark.extended),
     pytest.param("chat", "ddp", 0, [2], marks=pytest.mark.extended),
 ])
@@ -84,7 +103,7 @@ def test_parallel_names_an_fsdp2_shard_at_another_ranks_offset(char_model, tmp_p
 @pytest.mark.slow
 @pytest.mark.parametrize("which,parallel,lora,ranks", [
     ("char", "fsdp2", 0, [1, 2]),
-    ("chat", "fsdp2", 4, [2]),
+    pytest.param("chat", "fsdp2", 4, [2], marks=pytest.mark.extended),
     pytest.param("chat", "ddp", 4, [1, 2], marks=pytest.mark.extended),
 ])
 def test_checkpoint_saved_at_n_loads_at_m_bit_for_bit(request, tmp_path, which, parallel, lora, ranks):
