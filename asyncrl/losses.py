@@ -2,7 +2,7 @@
 
 ``compute_loss(batch, logprobs, config=...)`` is what a training step calls: advantages
 (:func:`compute_advantages`: ``scale_rewards`` group / batch / none), then :func:`policy_loss` (``loss_type``
-grpo / bnpo / dr_grpo / dapo / luspo and the surrogates cispo / sapo, ``importance_sampling_level`` token or
+grpo / bnpo / dr_grpo / dapo / luspo and the surrogates cispo / sapo / vespo, ``importance_sampling_level`` token or
 sequence (GSPO), ``epsilon`` / ``epsilon_high`` clipping, two-sided clipping ``delta``, the k3 KL to a reference
 model with ``beta``, ``mask_truncated_completions``) or the user's ``loss.fn``. The names and their meanings are TRL's
 (``GRPOConfig`` and ``GRPOTrainer._compute_loss``); the old names ``clip_low``, ``clip_high``, ``kl_coef`` and
@@ -89,7 +89,9 @@ def group_advantages(
     return centered / (var.sqrt()[inverse] + eps)
 
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+VESPO_LOG_W_MIN = math.log(1e-8)
+"""``vespo``: the sequence log-weight is clamped to ``[log 1e-8, 20]`` (TRL's, after the VESPO authors' code)."""
 SCALE_REWARDS = ("group", "batch", "none")
 RENAMED = {"clip_low": "epsilon", "clip_high": "epsilon_high", "kl_coef": "beta", "aggregation": "loss_type"}
 """Old ``loss.*`` names, still accepted, and the TRL names that replaced them."""
@@ -101,7 +103,7 @@ AGGREGATION_LOSS_TYPE = {"token": "bnpo", "sequence": "grpo"}
 class LossConfig:
     """The GRPO family (TRL 1.16's names and meanings) and the off-policy corrections of asynchronous rollouts."""
 
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"] = "dapo"
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = "dapo"
     """TRL's ``loss_type``. The PPO-clip surrogate, aggregated as: ``grpo``: mean over sequences of each sequence's
     token mean (length-biased); ``bnpo``: sum over this rank's valid tokens / their number; ``dr_grpo``: sum /
     (sequences x ``max_completion_length``), Dr. GRPO's constant; ``dapo``: sum / (valid tokens of all ranks /
@@ -109,7 +111,12 @@ class LossConfig:
     sequence's token sum (meant for ``importance_sampling_level: sequence``). Other surrogates: ``cispo``
     (ScaleRL): ``-sg(min(r, epsilon_high)) * A * logp``, aggregated as ``dapo`` (ScaleRL recommends ``epsilon_high``
     5.0); ``sapo``: the soft gate ``-sigmoid(tau (r - 1)) * 4 / tau * A`` with ``tau`` = ``sapo_temperature_pos`` or
-    ``_neg`` by the advantage's sign, aggregated as ``grpo``."""
+    ``_neg`` by the advantage's sign, aggregated as ``grpo``; ``vespo`` (VESPO, arXiv 2602.10693): no clipping, a
+    smooth detached Gamma weight ``phi(w) = exp(lambda) w^k exp(-lambda w)`` (``phi(1) = 1``) of the *sequence*
+    ratio ``w = exp(sum of the tokens' log-ratios)`` on ``-phi(w) * A * logp``, with ``k, lambda`` =
+    ``vespo_k_pos, vespo_lambda_pos`` for ``A >= 0`` else ``vespo_k_neg, vespo_lambda_neg``, aggregated as ``dapo``;
+    the ``correction`` weight enters ``w`` (its log summed over the sequence, as TRL folds vLLM's token-level
+    importance ratio) instead of multiplying each token (``tis_seq`` is refused: use ``tis``)."""
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
     """TRL's ``multi_objective_aggregation`` with several reward functions: ``sum_then_normalize``: advantages of the
     weighted sum (``scale_rewards`` applies); ``normalize_then_sum``: each function's rewards normalised within
@@ -127,6 +134,16 @@ class LossConfig:
     """``sapo``: the gate's temperature for tokens with positive advantage (TRL's default)."""
     sapo_temperature_neg: float = 1.05
     """``sapo``: the gate's temperature for tokens with non-positive advantage (TRL's default)."""
+    vespo_k_pos: float = 2.0
+    """``vespo``: the power ``k`` of the Gamma weight for ``A >= 0``: how hard sequences with ``w < 1`` (less likely
+    now than when sampled) are down-weighted (TRL's default); >= 0."""
+    vespo_lambda_pos: float = 3.0
+    """``vespo``: the decay ``lambda`` of the Gamma weight for ``A >= 0``: how hard sequences with ``w > 1`` are
+    down-weighted (TRL's default; values below 1e-4 count as 1e-4, as in TRL); >= 0."""
+    vespo_k_neg: float = 3.0
+    """``vespo``: ``k`` for ``A < 0`` (TRL's default); >= 0."""
+    vespo_lambda_neg: float = 2.0
+    """``vespo``: ``lambda`` for ``A < 0`` (TRL's default); >= 0."""
     scale_rewards: Literal["group", "batch", "none"] | bool = "group"
     """Advantages are ``reward - group mean``, divided by (TRL's ``scale_rewards``) ``group``: the group's std;
     ``batch``: the std of the whole batch (all ranks); ``none``: nothing (Dr. GRPO). Stds are unbiased, plus
@@ -198,6 +215,16 @@ class LossConfig:
         if self.sapo_temperature_pos <= 0 or self.sapo_temperature_neg <= 0:
             raise ValueError(f"need loss.sapo_temperature_pos={self.sapo_temperature_pos} and "
                              f"loss.sapo_temperature_neg={self.sapo_temperature_neg} > 0")
+        vespo = (self.vespo_k_pos, self.vespo_lambda_pos, self.vespo_k_neg, self.vespo_lambda_neg)
+        if min(vespo) < 0 or not all(map(math.isfinite, vespo)):
+            raise ValueError(f"need finite loss.vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg >= 0, got "
+                             f"{vespo}")
+        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
+            raise ValueError("loss.loss_type='vespo' builds its own sequence weight from the tokens' ratios: leave "
+                             f"loss.importance_sampling_level at 'token' (got {self.importance_sampling_level!r})")
+        if self.loss_type == "vespo" and self.correction == "tis_seq":
+            raise ValueError("loss.loss_type='vespo' folds the correction's token weights into its sequence weight; "
+                             "loss.correction='tis_seq' is already a sequence weight: use 'tis' (TRL's token_truncate)")
         if self.max_completion_length is not None and self.max_completion_length < 1:
             raise ValueError(f"loss.max_completion_length={self.max_completion_length} must be >= 1 (or None)")
         if self.fn is not None and ":" not in self.fn:
@@ -309,7 +336,7 @@ def _aggregate(
                              "engine's max_new_tokens)")
         return total / (values.shape[0] * config.max_completion_length)
     count = valid.sum().float()
-    if config.loss_type in ("dapo", "cispo") and all_reduce is not None:  # valid tokens of all ranks / ranks
+    if config.loss_type in ("dapo", "cispo", "vespo") and all_reduce is not None:  # valid tokens of all ranks / ranks
         totals = all_reduce(torch.stack([count, torch.ones_like(count)]))
         count = totals[0] / totals[1]
     return total / count.clamp(min=1)
@@ -346,6 +373,33 @@ def _correction_weights(
         keep = (rho >= config.mis_low) & (rho <= config.mis_high)
         weights = torch.ones_like(log_rho)
     return weights, keep
+
+
+def _vespo_weights(
+    log_ratio: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor, adv: torch.Tensor, config: LossConfig
+) -> torch.Tensor:
+    """VESPO's detached ``[B, L]`` Gamma weights ``phi(w) = exp(lambda + k log w - lambda w)`` (TRL 1.16's
+    ``GRPOTrainer.get_gamma_weights``).
+
+    ``log w`` is the sum over the row's valid tokens of ``clamp(log-ratio, -20, 20)`` plus ``clamp(log weight,
+    log 1e-8, 20)`` of the correction, itself clamped to ``[log 1e-8, 20]``; ``k, lambda`` follow the sign of the
+    token's advantage (``>= 0``: ``_pos``; one per row for ``[B]`` advantages). A non-finite ``phi`` becomes 0.
+
+    Args:
+        log_ratio: ``[B, L]`` ``logprobs - old_logprobs``, 0 outside the valid tokens.
+        weights: ``[B, L]`` the correction's detached token weights.
+        valid: ``[B, L]`` tokens in the loss.
+        adv: ``[B, L]`` the advantages.
+        config: the ``vespo_*`` settings.
+    """
+    zero = torch.zeros((), device=log_ratio.device)
+    with torch.no_grad():
+        per_token = log_ratio.clamp(-20.0, 20.0) + weights.log().clamp(VESPO_LOG_W_MIN, 20.0)
+        log_w = torch.where(valid, per_token, zero).sum(-1, keepdim=True).clamp(VESPO_LOG_W_MIN, 20.0)
+        nonneg = adv >= 0
+        k = torch.where(nonneg, config.vespo_k_pos, config.vespo_k_neg)
+        lam = torch.where(nonneg, config.vespo_lambda_pos, config.vespo_lambda_neg).clamp(min=1e-4)
+        return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _version_keep(
@@ -416,7 +470,8 @@ def policy_loss(
         floats ``loss``, ``pg_loss``, ``kl`` (token mean, with ``ref_logprobs``), ``clip_fraction``,
         TRL's ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``, ``ratio_mean``,
         ``is_weight_mean``, ``correction_masked_fraction``, ``version_masked_fraction``,
-        ``truncated_masked_fraction``, ``nonfinite_fraction`` and ``valid_tokens``. Means are over valid
+        ``truncated_masked_fraction``, ``nonfinite_fraction`` and ``valid_tokens``, with ``cispo``
+        ``cispo_clip_ratio``, with ``vespo`` ``vespo/phi_seq_mean`` (over rows). Means are over valid
         tokens; masked fractions over finite tokens of ``loss_mask``.
 
     Raises:
@@ -462,6 +517,9 @@ def policy_loss(
     elif config.loss_type == "sapo":
         tau = torch.where(adv > 0, config.sapo_temperature_pos, config.sapo_temperature_neg)
         pg_tokens = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv * weights
+    elif config.loss_type == "vespo":
+        phi = _vespo_weights(lp - old, weights, valid, adv, config)
+        pg_tokens = -phi * adv * lp
     else:
         pg_tokens = torch.maximum(unclipped_loss, clipped_loss) * weights
     pg_loss = _aggregate(pg_tokens, valid, config, all_reduce)
@@ -480,6 +538,10 @@ def policy_loss(
     stats["clip_fraction"] = (valid & (clipped_loss > unclipped_loss)).sum() / n_valid
     if config.loss_type == "cispo":  # TRL's cispo_clip_ratio: tokens whose weight the cap truncated
         stats["cispo_clip_ratio"] = (valid & (ratio > float(config.epsilon_high)) & (adv > 0)).sum() / n_valid
+    if config.loss_type == "vespo":  # TRL's vespo/phi_seq_mean: over sequences
+        per_row = advantages.dim() == 1 and phi.shape[-1] > 0
+        stats["vespo/phi_seq_mean"] = (phi[:, 0].sum() / max(phi.shape[0], 1) if per_row
+                                       else torch.where(valid, phi, zero).sum() / n_valid)
     stats["clip_ratio/low_mean"] = low_clipped.sum() / n_valid
     stats["clip_ratio/high_mean"] = high_clipped.sum() / n_valid
     stats["clip_ratio/region_mean"] = (low_clipped | high_clipped).sum() / n_valid

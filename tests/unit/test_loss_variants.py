@@ -111,6 +111,45 @@ def test_other_surrogates_and_gspo_by_hand():
     torch.testing.assert_close(grad, torch.where(MASK, -ADV_NONE[:, None] / 4, torch.zeros(())))
 
 
+def _vespo_phi(w: float, k: float, lam: float) -> float:
+    return math.exp(lam) * w ** k * math.exp(-lam * w)  # phi(w) = e^lambda w^k e^(-lambda w), phi(1) = 1
+
+
+def test_vespo_by_hand():
+    """VESPO: -phi(w) * A * logp with the sequence ratio w = exp(sum of the row's log-ratios), phi detached, k and
+    lambda by the advantage's sign (A >= 0: 2, 3; A < 0: 3, 2), aggregated as dapo (sum / 7 tokens on one rank)."""
+    old = LP.clone()
+    old[0, 0], old[1, 0], old[2, 1] = LP[0, 0] - math.log(1.5), LP[1, 0] - math.log(1.6), LP[2, 1] - math.log(0.7)
+    phi = [_vespo_phi(1.5, 2, 3), _vespo_phi(1.6, 3, 2), _vespo_phi(0.7, 2, 3), 1.0]  # row 3 on-policy: phi(1) = 1
+    lp = LP.clone().requires_grad_(True)
+    config = LossConfig(loss_type="vespo", correction="none")
+    loss, m = policy_loss(lp, old, old, ADV_NONE, MASK, config=config)
+    per_token = torch.where(MASK, -torch.tensor(phi)[:, None] * ADV_NONE[:, None] * LP, torch.zeros(()))
+    # row 0: phi0 * 0.5 * 3.5, row 1: -phi1 * 0.5 * 1.5, row 2: phi2 * 1.9, row 3: -2
+    close(loss, (phi[0] * 1.75 - phi[1] * 0.75 + phi[2] * 1.9 - 2) / 7)
+    close(loss, float(per_token.sum() / 7))
+    close(m["vespo/phi_seq_mean"], sum(phi) / 4)
+    loss.backward()  # the weight is a constant: d loss / d logp = -phi * A / 7
+    torch.testing.assert_close(lp.grad, torch.where(MASK, -torch.tensor(phi)[:, None] * ADV_NONE[:, None] / 7,
+                                                     torch.zeros(())))
+    # the correction's weight enters w instead of each token: row 3 sampled at rho = 1.5 (A = -1: phi(1.5; 3, 2)),
+    # row 0's second token at rho = 3, truncated to is_cap 2: w = 1.5 * 2
+    rollout = old.clone()
+    rollout[3, 0], rollout[0, 1] = old[3, 0] - math.log(1.5), old[0, 1] - math.log(3.0)
+    _, m = policy_loss(lp, old, rollout, ADV_NONE, MASK, config=LossConfig(loss_type="vespo", correction="tis"))
+    close(m["vespo/phi_seq_mean"], (_vespo_phi(3.0, 2, 3) + phi[1] + phi[2] + _vespo_phi(1.5, 3, 2)) / 4)
+    far = LP.clone()
+    far[0] -= 30.0  # row 0's log w clamped at 20: phi = e^(3 + 40 - 3 e^20) underflows to 0; the others on-policy
+    loss, m = policy_loss(lp, far, far, ADV_NONE, MASK, config=config)
+    assert loss.isfinite() and m["vespo/phi_seq_mean"] == pytest.approx((0 + 1 + 1 + 1) / 4)
+    with pytest.raises(ValueError, match="importance_sampling_level"):
+        LossConfig(loss_type="vespo", importance_sampling_level="sequence")
+    with pytest.raises(ValueError, match="tis_seq"):
+        LossConfig(loss_type="vespo", correction="tis_seq")
+    with pytest.raises(ValueError, match="vespo_k_pos"):
+        LossConfig(loss_type="vespo", vespo_lambda_neg=-1.0)
+
+
 def test_delta_caps_the_unclipped_ratio_of_negative_advantages():
     lp = LP.clone().requires_grad_(True)
     old = LP.clone()
@@ -196,8 +235,10 @@ def test_compute_loss_is_advantages_then_the_loss():
 
 
 def _trl_loss(loss_type: str, lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, ref: torch.Tensor | None,
-              beta: float, level: str = "token", delta: float | None = None, epsilon_high: float = 0.2):
-    """TRL 1.16's ``GRPOTrainer._compute_loss`` on our numbers: a stand-in ``self`` whose forward returns ``lp``."""
+              beta: float, level: str = "token", delta: float | None = None, epsilon_high: float = 0.2,
+              importance_sampling_ratio: torch.Tensor | None = None):
+    """TRL 1.16's ``GRPOTrainer._compute_loss`` on our numbers: a stand-in ``self`` whose forward returns ``lp``
+    (``importance_sampling_ratio``: vLLM's token-level ratio, which only ``vespo`` reads with ``use_vllm`` off)."""
     grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
     accelerator = SimpleNamespace(num_processes=1, gather=lambda t: t, gather_for_metrics=lambda t: t,
                                   reduce=lambda t, reduction: t, sync_gradients=True)
@@ -205,17 +246,20 @@ def _trl_loss(loss_type: str, lp: torch.Tensor, old: torch.Tensor, adv: torch.Te
         _get_per_token_logps_and_entropies=lambda *a, **k: (lp, torch.zeros_like(lp), None),
         top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level=level, beta=beta,
         loss_type=loss_type, epsilon_low=0.2, epsilon_high=epsilon_high, use_vllm=False,
-        model=SimpleNamespace(training=True),
+        model=SimpleNamespace(training=True), get_gamma_weights=grpo_trainer.GRPOTrainer.get_gamma_weights,
         current_gradient_accumulation_steps=1, max_completion_length=4, accelerator=accelerator,
         _entropy_bonus_enabled=False, aux_loss_enabled=False, _metrics={"train": defaultdict(list)},
         args=SimpleNamespace(delta=delta, use_bias_correction_kl=False, steps_per_generation=1,
-                             sapo_temperature_pos=1.0, sapo_temperature_neg=1.05),
+                             sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0,
+                             vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0),
     )
     inputs = {"prompt_ids": torch.zeros(4, 0, dtype=torch.long), "prompt_mask": torch.zeros(4, 0, dtype=torch.long),
               "completion_ids": torch.zeros(4, 3, dtype=torch.long), "completion_mask": MASK.long(),
               "advantages": adv, "num_items_in_batch": MASK.sum(), "old_per_token_logps": old}
     if ref is not None:
         inputs["ref_per_token_logps"] = ref
+    if importance_sampling_ratio is not None:
+        inputs["importance_sampling_ratio"] = importance_sampling_ratio
     return grpo_trainer.GRPOTrainer._compute_loss(fake, None, inputs), fake._metrics["train"]
 
 
@@ -241,7 +285,7 @@ def test_each_loss_type_matches_trl(loss_type):
 
 @pytest.mark.slow  # importing trl's trainer takes ~20 s (it imports vLLM)
 @pytest.mark.parametrize(("loss_type", "level", "delta", "epsilon_high"), [
-    ("cispo", "token", None, 5.0), ("sapo", "token", None, 0.2), ("luspo", "sequence", None, 0.2),
+    ("cispo", "token", None, 5.0), ("sapo", "token", None, 0.2), ("luspo", "sequence", None, 0.2), ("vespo", "token", None, 0.2),
     ("grpo", "sequence", None, 0.2), ("dapo", "token", 1.3, 0.2), ("bnpo", "sequence", 1.3, 0.2)])
 def test_other_surrogates_gspo_and_delta_match_trl(loss_type, level, delta, epsilon_high):
     """Off-policy tokens (ratios 1.5 and 0.7) so that clipping, the delta cap and the gates all bite."""
@@ -366,3 +410,27 @@ def test_normalize_then_sum_through_compute_loss():
     nan_batch = {**batch, "rewards": torch.full((4,), float("nan"))}  # the guard's injected NaN stays visible
     _, _, adv = compute_loss(nan_batch, LP.clone().requires_grad_(True), config=config, reward_weights={"a": 1, "b": 1})
     assert adv.isnan().all()
+
+
+@pytest.mark.slow  # importing trl's trainer takes ~20 s (it imports vLLM)
+def test_vespo_with_a_truncated_correction_matches_trl():
+    """``correction: tis`` under vespo is TRL's ``vllm_importance_sampling_mode: token_truncate``: the truncated
+    token ratios ``min(exp(old - rollout), is_cap)`` enter the sequence weight (TRL's ``importance_sampling_ratio``,
+    1 at padding); the loss, its gradient and ``vespo/phi_seq_mean`` agree."""
+    old = LP.clone()
+    old[0, 0], old[2, 1], old[1, 0] = LP[0, 0] - math.log(1.5), LP[2, 1] - math.log(0.7), LP[1, 0] - math.log(1.6)
+    rollout = old.clone()
+    rollout[0, 1], rollout[3, 0], rollout[2, 0] = old[0, 1] - math.log(3.0), old[3, 0] - math.log(1.3), old[2, 0] + 0.4
+    ratio = torch.where(MASK, (old - rollout).exp().clamp(max=2.0), torch.ones(()))
+    ref = LP + 0.3 * torch.tensor([[1.0, -1.0, 0.5], [2.0, 0.0, 0.0], [-0.5, 1.0, 0.0], [0.2, 0.0, 0.0]])
+    adv = compute_advantages(REWARDS, GROUPS, scale_rewards="group")
+    lp_trl = LP.clone().requires_grad_(True)
+    expected, trl_metrics = _trl_loss("vespo", lp_trl, old, adv, ref, beta=0.05, importance_sampling_ratio=ratio)
+    lp = LP.clone().requires_grad_(True)
+    config = LossConfig(loss_type="vespo", correction="tis", is_cap=2.0, beta=0.05)
+    ours, metrics = policy_loss(lp, old, rollout, adv, MASK, config=config, ref_logprobs=ref)
+    close(ours, float(expected.detach()))
+    expected.backward()
+    ours.backward()
+    torch.testing.assert_close(lp.grad, lp_trl.grad)
+    assert metrics["vespo/phi_seq_mean"] == pytest.approx(trl_metrics["vespo/phi_seq_mean"][0], rel=1e-5)
