@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["LORA_TARGETS", "QLORA_SKIP", "build_policy", "digest", "first_difference", "fixed_batch", "full", "full_tensors", "import_all",
-           "unwrap"]
+__all__ = ["LORA_TARGETS", "QLORA_SKIP", "begin_stage", "build_policy", "digest", "first_difference", "fixed_batch", "full",
+           "full_tensors", "import_all", "unwrap"]
 
 QLORA_SKIP = ("--qlora: this stage builds the policy in full precision (a LoRA adapter over the model's own dtype); "
               "the 4-bit base of QLoRA is not covered by it yet")
@@ -33,6 +34,22 @@ def import_all(modules: Sequence[str]) -> None:
     """Imports ``CheckContext.imports`` (a custom architecture's registration, a test's fault) before anything else."""
     for name in modules:
         importlib.import_module(name)
+
+
+def begin_stage(ctx: Any, stage: str) -> tuple[Path, Any]:
+    """The prelude of the stages that build the policy in full precision (``parallel``, ``checkpoint``, ``loss``).
+
+    Returns ``(workdir, None)`` with ``ctx.imports`` imported (a fault module patches before the stage runs) and the
+    stage's directory under ``ctx.workdir`` created; under ``--qlora`` ``(workdir, skipped)`` with the stage's
+    skipped :class:`~asyncrl.check.StageResult` (:data:`QLORA_SKIP`), before anything is imported or built."""
+    from asyncrl.check import StageResult
+
+    work = Path(ctx.workdir) / stage
+    if ctx.qlora:
+        return work, StageResult(stage=stage, ok=True, summary="skipped", skipped=QLORA_SKIP)
+    import_all(ctx.imports)
+    work.mkdir(parents=True, exist_ok=True)
+    return work, None
 
 
 def build_policy(model_dir: str, *, dtype: str = "float32", lora_rank: int = 0, seed: int = 0) -> torch.nn.Module:

@@ -22,11 +22,10 @@ entry (``optim.state.<parameter>.exp_avg``) or the loader path. Blocks on the ra
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 from asyncrl.check import CheckContext, StageResult
-from asyncrl.check._policy import QLORA_SKIP, fixed_batch, import_all
+from asyncrl.check._policy import begin_stage, fixed_batch
 
 __all__ = ["run"]
 
@@ -101,12 +100,10 @@ def run(ctx: CheckContext) -> StageResult:
     from asyncrl.check._ranks import launch_ranks
     from asyncrl.codec import dumps_json, loads_json
 
-    if ctx.qlora:
-        return StageResult(stage="checkpoint", ok=True, summary="skipped", skipped=QLORA_SKIP)
     t0 = time.perf_counter()
-    import_all(ctx.imports)
-    work = Path(ctx.workdir) / "checkpoint"
-    work.mkdir(parents=True, exist_ok=True)
+    work, skipped = begin_stage(ctx, "checkpoint")
+    if skipped is not None:
+        return skipped
     config = AutoConfig.from_pretrained(ctx.model)
     pad = config.pad_token_id if isinstance(config.pad_token_id, int) else 0
     fixed_batch(int(config.vocab_size), seed=ctx.seed, pad_token_id=pad)  # fails here, not in every rank

@@ -23,13 +23,12 @@ from __future__ import annotations
 import math
 import re
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from asyncrl.check import CheckContext, StageResult
-from asyncrl.check._policy import QLORA_SKIP, build_policy, import_all
+from asyncrl.check._policy import begin_stage, build_policy
 
 __all__ = ["run"]
 
@@ -252,11 +251,10 @@ def run(ctx: CheckContext) -> StageResult:
     from asyncrl.losses import LossConfig, mismatch_metrics
     from datapipes.collate import collate_groups
 
-    if ctx.qlora:
-        return StageResult(stage="loss", ok=True, summary="skipped", skipped=QLORA_SKIP)
     t0 = time.perf_counter()
-    import_all(ctx.imports)
-    (Path(ctx.workdir) / "loss").mkdir(parents=True, exist_ok=True)
+    _, skipped = begin_stage(ctx, "loss")
+    if skipped is not None:
+        return skipped
     torch.manual_seed(ctx.seed)
     policy = build_policy(ctx.model, dtype=ctx.dtype, lora_rank=ctx.lora_rank, seed=ctx.seed).eval()
     tokenizer = AutoTokenizer.from_pretrained(ctx.model)

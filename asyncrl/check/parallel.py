@@ -24,15 +24,7 @@ from typing import Any
 import torch
 
 from asyncrl.check import CheckContext, StageResult
-from asyncrl.check._policy import (
-    QLORA_SKIP,
-    build_policy,
-    digest,
-    first_difference,
-    fixed_batch,
-    full_tensors,
-    import_all,
-)
+from asyncrl.check._policy import begin_stage, build_policy, digest, first_difference, fixed_batch, full_tensors
 
 __all__ = ["run"]
 
@@ -106,12 +98,10 @@ def _ranks(ctx: CheckContext, n: int, work: Path, digests: dict[str, str], batch
 
 def run(ctx: CheckContext) -> StageResult:
     """Checks the split at every rank count of ``ctx.ranks`` under ``ctx.parallel`` (see the module docstring)."""
-    if ctx.qlora:
-        return StageResult(stage="parallel", ok=True, summary="skipped", skipped=QLORA_SKIP)
     t0 = time.perf_counter()
-    import_all(ctx.imports)
-    work = Path(ctx.workdir) / "parallel"
-    work.mkdir(parents=True, exist_ok=True)
+    work, skipped = begin_stage(ctx, "parallel")
+    if skipped is not None:
+        return skipped
     limit = _threshold(ctx)
     digests, batch = _reference(ctx, work)
     offenders: list[dict[str, Any]] = []

@@ -182,3 +182,17 @@ def test_parallel_fails_naming_a_rank_that_died(char_model, tmp_path):
                             imports=["tests.integration._fault_rank_dies"]))
     assert not result.ok and result.offenders[0]["what"] == "a rank failed", result.offenders
     assert "rank 1 exited 3" in result.offenders[0]["error"] and "dying at start-up" in result.offenders[0]["error"]
+
+
+def test_full_precision_stages_skip_under_qlora_before_importing_anything(tmp_path):
+    """``--qlora``: parallel, checkpoint and loss say they are skipped (ok, with the reason) and import nothing of
+    ``ctx.imports`` (a module that raises on import proves it) and create no work directory."""
+    from asyncrl.check import checkpoint, loss, parallel
+    from asyncrl.check._policy import QLORA_SKIP
+
+    ctx = CheckContext(model=str(tmp_path / "absent"), qlora=True, lora_rank=4, workdir=str(tmp_path / "work"),
+                       imports=["tests.integration._no_such_fault_module"])
+    for stage in (parallel, checkpoint, loss):
+        result = stage.run(ctx)
+        assert (result.ok, result.summary, result.skipped) == (True, "skipped", QLORA_SKIP), stage.__name__
+    assert not (tmp_path / "work").exists()
