@@ -236,6 +236,19 @@ class WeightSyncConfig:
     verify_full_every: int = 100
     """Every this many policy versions the check covers every tensor (0: only on demand). A full check on a CPU
     vLLM engine reads each packed linear weight back through its kernel (a matrix product per tensor)."""
+    shadow: bool = False
+    """``shm`` with the HF engine on CPU: the engine keeps a second, private copy of its weights (the shadow,
+    :mod:`asyncrl.weights.shadow`) that the receiver fills bucket by bucket while the trainer publishes, with the
+    verification fused into that copy; at the safe point the engine swaps shadow and live storage (O(1) per
+    tensor), so applying an update costs no copy. Off by default: it doubles each worker's parameter memory,
+    which is what bounds how many workers fit beside the trainer; turn it on where the update's latency matters
+    (large models, frequent updates). ``lora`` updates, and versions that do not fit the engine's dtypes and
+    shapes, go the usual way."""
+
+    def __post_init__(self):
+        if self.shadow and self.type != "shm":
+            raise ValueError(f"weights.shadow needs weights.type='shm' (got {self.type!r}): only the shared-memory "
+                             "receiver fills an engine's shadow weights; set weights.shadow=false")
 
 
 

@@ -12,6 +12,12 @@ one run, each measured at every size and receiver count:
   shm, zmq   the asyncrl backends (default bucket size): ``publish()`` in this process; each receiver process
              ``wait()``s for the version, copies every staged tensor into its engine tensors
              (``param.copy_(view)``, what the HF engine's load does) and commits.
+  shm-shadow the shm backend with the engine's shadow weights (``weights.shadow``,
+             ``asyncrl.weights.shadow``): the receiver copies each bucket into the engine's private shadow as
+             soon as it is published, the verification fused into that copy, while the broadcaster writes the
+             next; the engine then swaps shadow and live storage (``tensor.data``, what the HF engine's apply
+             does) and commits. A private engine copy, with no copy after the transfer.
+  shm-views  the shm backend, the engine running from the verified read-only views (no private copy).
 
 End to end is from the start of ``publish()`` (or of the raw send) to the last receiver's "engine holds it"
 (``CLOCK_MONOTONIC``, shared by the processes of a machine). Every byte is verified: the backends check every
@@ -20,7 +26,7 @@ per case, an xxh3 of all its engine tensors against the payload's (outside the t
 memcpy and to raw pyzmq of the same size measured in the same run (``x_memcpy``, ``x_raw_zmq``; targets
 shm >= 0.6x memcpy, zmq >= 0.5x raw pyzmq).
 
-Memory: a case needs ``payload + path footprint`` (shm: 2 slots + N engines; zmq: one snapshot + N x (receive
+Memory: a case needs ``payload + path footprint`` (shm: 2 slots + N engines, shadow 2 slots + 2N; zmq: one snapshot + N x (receive
 buffers + engine); raw_zmq: N x (libzmq's copy + engine)). A case over ``--mem-budget-gb`` (payload included;
 default 80 % of MemAvailable at start) runs with ``engine="views"`` where the backend allows it (shm: each receiver's
 engine keeps the verified, read-only views into the shared slots, as an engine that runs from shared memory
@@ -56,6 +62,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SHAPES = dict(hidden=2048, intermediate=8192, heads=32, kv_heads=8, head_dim=64, vocab=128256)
 REPORT_TIMEOUT_S = 600.0
 PATHS = ("raw_zmq", "shm", "zmq")
+ENGINE_MODES = ("copy", "shadow", "views")
 
 
 # -- payload -------------------------------------------------------------------------------------
@@ -116,8 +123,12 @@ def receiver_main(path: str, address: str, receiver_id: str, shapes: list, engin
     if path == "raw_zmq":
         return _raw_receiver(address, engine, conn)
     from asyncrl.weights import setup_weight_receiver
+    from asyncrl.weights.shadow import ShadowWeights
 
     r = setup_weight_receiver(path, address, receiver_id=receiver_id)
+    shadow = ShadowWeights(engine) if engine_mode == "shadow" else None  # pre-faulted, like the engine tensors
+    if shadow is not None:
+        r.attach_shadow(shadow)
     r.start()
     conn.send({"event": "ready"})
     last, checked = 0, False
@@ -125,7 +136,11 @@ def receiver_main(path: str, address: str, receiver_id: str, shapes: list, engin
         update = r.wait(last + 1, 0.2)
         if update is None:
             continue
-        if engine_mode == "copy":
+        via_shadow = shadow is not None and shadow.holds(update)
+        if via_shadow:  # the engine's commit: swap live and shadow storage, O(1) per tensor
+            shadow.swap_into(engine, update)
+            held = engine
+        elif engine_mode in ("copy", "shadow"):  # shadow: a version the shadow could not take (busy) is copied
             for name, t in update.tensors.items():
                 engine[name].copy_(t)
             held = engine
@@ -134,7 +149,8 @@ def receiver_main(path: str, address: str, receiver_id: str, shapes: list, engin
         done = time.monotonic()
         stamped = all(int(t.view(torch.int16).view(-1)[0]) == update.version for t in held.values())
         report = {"event": "applied", "version": update.version, "done_at": done, "stamped": stamped,
-                  "staged_at": update.metadata["staged_at"], "transfer_s": update.metadata["transfer_s"]}
+                  "staged_at": update.metadata["staged_at"], "transfer_s": update.metadata["transfer_s"],
+                  "via_shadow": via_shadow}
         if not checked:
             report["digest"], checked = digest(held), True
         last = update.version
@@ -233,7 +249,7 @@ class Receivers:
 # -- cases ---------------------------------------------------------------------------------------
 def footprint(path: str, size: float, n: int, engine_mode: str) -> float:
     """Bytes a case needs beyond the payload (see the module docstring)."""
-    engines = n * size if engine_mode == "copy" else 0
+    engines = {"copy": n * size, "shadow": 2 * n * size}.get(engine_mode, 0)
     return {"shm": 2 * size + engines, "zmq": size + n * size + engines, "raw_zmq": n * size + engines}[path]
 
 
@@ -280,6 +296,7 @@ def run_case(path: str, n: int, payload: dict[str, torch.Tensor], shapes: list, 
             digests += [r["digest"] for r in reports if "digest" in r]
             sample = {"latency_s": latency, "publish_s": publish_s,
                       "staged_s": [r["staged_at"] - t0 for r in reports if "staged_at" in r]}
+            sample["via_shadow"] = sum(bool(r.get("via_shadow")) for r in reports)
             if k == 0:
                 first = sample
             else:
@@ -301,6 +318,7 @@ def run_case(path: str, n: int, payload: dict[str, torch.Tensor], shapes: list, 
             "staged_gb_per_s": stats_of([nbytes / x / GB for x in staged]) if staged else None,
             "first_version": first,
             "publish_s": stats_of([s["publish_s"] for s in samples]), "samples": samples,
+            "via_shadow": sum(s["via_shadow"] for s in samples),
             "receiver_reports": stopped, "loadavg_1m": os.getloadavg()[0]}
 
 
@@ -337,8 +355,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backends", default="shm,zmq", help="comma-separated subset of shm,zmq (raw_zmq always runs)")
     p.add_argument("--repeats", type=int, default=3, help="versions published per case")
     p.add_argument("--threads", type=int, default=1, help="torch threads in every process")
-    p.add_argument("--engines", default="copy,views",
-                   help="shm engine modes: copy (param.copy_(view) into private tensors), views (run from the views)")
+    p.add_argument("--engines", default="copy,shadow,views",
+                   help="shm engine modes: copy (param.copy_(view) into private tensors), shadow (the receiver fills the "
+                        "engine's shadow weights, swapped in at commit), views (run from the views)")
     p.add_argument("--bucket-mb", type=int, default=64, help="bucket size of the backends, MiB")
     p.add_argument("--mem-budget-gb", type=float, default=None,
                    help="memory a case may use, payload included; default 80%% of MemAvailable at start")
@@ -349,6 +368,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.receivers = [int(s) for s in args.receivers.split(",") if s]
     args.backends = [s for s in args.backends.split(",") if s]
     args.engines = [s for s in args.engines.split(",") if s]
+    if set(args.engines) - set(ENGINE_MODES):
+        p.error(f"--engines must be a subset of {','.join(ENGINE_MODES)}, got {args.engines}")
     if set(args.backends) - {"zmq", "shm"} or not args.receivers or min(args.receivers) < 1 or not args.sizes:
         p.error(f"--backends must be a subset of shm,zmq, --receivers positive ints, --sizes given; "
                 f"got {args.backends} {args.receivers} {args.sizes}")
@@ -372,16 +393,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{key}: memcpy {row['memcpy']['gb_per_s']['median']:.2f} GB/s", flush=True)
         for n in args.receivers:
             for path in ["raw_zmq", *args.backends]:
-                mode = "copy"  # the payload stays resident beside every case
-                if nbytes + footprint(path, nbytes, n, mode) > budget:
-                    mode = "views" if path == "shm" else None
-                if mode is None or nbytes + footprint(path, nbytes, n, mode) > budget:
-                    skipped.append({"size": key, "path": path, "receivers": n, "budget_gb": budget / GB,
-                                    "footprint_gb": (nbytes + footprint(path, nbytes, n, "copy")) / GB})
-                    need = (nbytes + footprint(path, nbytes, n, "copy")) / GB
-                    print(f"  {path} x{n}: skipped (needs {need:.1f} GB, budget {budget / GB:.1f} GB)", flush=True)
-                    continue
-                modes = [mode, "views"] if path == "shm" and mode == "copy" and "views" in args.engines else [mode]
+                # the payload stays resident beside every case; shm runs each of --engines that fits (views if none)
+                wanted = [m for m in ENGINE_MODES if m in args.engines] if path == "shm" else ["copy"]
+                modes = [m for m in wanted if nbytes + footprint(path, nbytes, n, m) <= budget]
+                if not modes and path == "shm" and nbytes + footprint(path, nbytes, n, "views") <= budget:
+                    modes = ["views"]
+                for m in wanted:
+                    if m not in modes:
+                        need = (nbytes + footprint(path, nbytes, n, m)) / GB
+                        skipped.append({"size": key, "path": path, "engine": m, "receivers": n,
+                                        "budget_gb": budget / GB, "footprint_gb": need})
+                        print(f"  {path} ({m}) x{n}: skipped (needs {need:.1f} GB, budget {budget / GB:.1f} GB)",
+                              flush=True)
                 for m in modes:
                     out = run_case(path, n, payload, shapes, m, args, version)
                     version += args.repeats + 1
@@ -392,12 +415,14 @@ def main(argv: Sequence[str] | None = None) -> None:
                     raw = row.get(f"raw_zmq x{n}")
                     if raw is not None:
                         out["x_raw_zmq"] = out["gb_per_s"]["median"] / raw["gb_per_s"]["median"]
-                    name = f"{path} x{n}" if m == "copy" or path != "shm" else f"shm-views x{n}"
+                    name = f"{path} x{n}" if m == "copy" or path != "shm" else f"shm-{m} x{n}"
                     row[name] = out
                     print(f"  {name} ({m}): {out['gb_per_s']['median']:.2f} GB/s end to end, "
                           f"{out['x_memcpy']:.2f}x memcpy" + (f", {out['x_raw_zmq']:.2f}x raw pyzmq" if raw else "")
                           + (f", staged {out['x_memcpy_staged']:.2f}x memcpy" if "x_memcpy_staged" in out else "")
-                          + f", latency {out['latency_s']['median'] * 1e3:.0f} ms", flush=True)
+                          + f", latency {out['latency_s']['median'] * 1e3:.0f} ms"
+                          + (f", {out['via_shadow']}/{n * args.repeats} via the shadow" if m == "shadow" else ""),
+                          flush=True)
         results[key] = row
         del payload
     config = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "gb": GB,
@@ -422,7 +447,7 @@ def print_table(report: dict[str, Any]) -> None:
             if isinstance(m, dict) and "receivers" in m:
                 ratios = f"{m['x_memcpy']:.2f}x memcpy" + (f", {m['x_raw_zmq']:.2f}x raw" if "x_raw_zmq" in m else "")
                 ratios += f" (staged: {m['x_memcpy_staged']:.2f}x memcpy)" if "x_memcpy_staged" in m else ""
-                print(f"  {name:<12} {m['engine']:<5} {m['gb_per_s']['median']:>7.2f} GB/s  {ratios}")
+                print(f"  {name:<14} {m['engine']:<6} {m['gb_per_s']['median']:>7.2f} GB/s  {ratios}")
 
 
 if __name__ == "__main__":

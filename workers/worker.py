@@ -384,6 +384,8 @@ def run_worker(
         if config.weights.type == "zmq":  # the rollout channel's CURVE keys guard the weight channel too
             delta.update(server_key=server_key, security=transport)
         receiver = setup_weight_receiver(config.weights.type, config.weights.address, receiver_id=worker_id, **delta)
+        if config.weights.shadow:  # the receiver fills the engine's private copy; apply_weights swaps it in
+            receiver.attach_shadow(engine.shadow_weights())
         receiver.start()
     worker = RolloutWorker(
         worker_id,

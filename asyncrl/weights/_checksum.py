@@ -20,7 +20,7 @@ import xxhash
 
 from asyncrl.weights.base import Bucket, bucket_checksum
 
-__all__ = ["CHUNK", "checksum", "copy_checksum", "fill_bucket"]
+__all__ = ["CHUNK", "checksum", "copy_checksum", "fill_bucket", "scatter_bucket"]
 
 CHUNK = 1 << 20
 """Bytes copied, then hashed while hot; 1 MiB fits the L2 of current server cores."""
@@ -71,6 +71,32 @@ def fill_bucket(bucket: Bucket, tensors: Mapping[str, torch.Tensor], out: torch.
         end = slot.offset + slot.nbytes
     if end < bucket.nbytes:
         out[end:].zero_()
+        h.update(mv[end:])
+    return h.intdigest()
+
+
+def scatter_bucket(bucket: Bucket, src: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> int:
+    """The reverse of :func:`fill_bucket`: copies each of the bucket's tensors out of ``src`` (the bucket's bytes,
+    CPU uint8, ``bucket.nbytes`` long) into ``tensors[name]`` (CPU, contiguous, as many bytes), and returns the
+    checksum of the bucket: each tensor's bytes hashed piece by piece right after they land in their destination
+    (so what is verified is what the destination holds), the padding between them hashed in ``src``.
+
+    Tied names (one destination tensor under two names) are written twice, each write hashed as it lands.
+    """
+    h = xxhash.xxh3_64()
+    mv, base = _as_bytes(src), src.data_ptr()
+    end = 0
+    for slot in bucket.slots:
+        if slot.offset > end:
+            h.update(mv[end : slot.offset])
+        if slot.nbytes:
+            dst = tensors[slot.name]
+            if dst.device.type != "cpu" or not dst.is_contiguous() or dst.nbytes != slot.nbytes:
+                raise ValueError(f"scatter_bucket: {slot.name} needs {slot.nbytes} contiguous CPU bytes, the destination "
+                                 f"is {dst.dtype}{list(dst.shape)} on {dst.device}")
+            _copy_hash(h, _as_bytes(dst.view(-1).view(torch.uint8)), dst.data_ptr(), base + slot.offset, slot.nbytes)
+        end = slot.offset + slot.nbytes
+    if end < bucket.nbytes:
         h.update(mv[end:])
     return h.intdigest()
 

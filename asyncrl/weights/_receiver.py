@@ -8,6 +8,10 @@ verified updates with :meth:`StagedReceiver._stage`. Everything the worker's thr
 Who blocks on what: the worker's thread blocks only in :meth:`wait` (a condition variable, with a
 timeout); the I/O thread blocks only in its backend's poll with a short timeout. A crash of the I/O
 thread is re-raised in the worker's thread by the next ``poll``/``wait``.
+
+Shadow weights (:mod:`asyncrl.weights.shadow`): a backend with ``supports_shadow`` fills an attached engine
+shadow bucket by bucket during the transfer and stages the update over it; without one attached (or when it is
+busy or does not fit the version) it stages views, as before.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class StagedReceiver(WeightReceiver):
     """
 
     uses_zmq = False
+    supports_shadow = False
+    """Whether the backend fills an attached :class:`~asyncrl.weights.shadow.ShadowWeights` (:meth:`attach_shadow`)."""
 
     def __init__(self, address: str, *, receiver_id: str):
         self.address = address
@@ -47,6 +53,8 @@ class StagedReceiver(WeightReceiver):
         self._io = IOThread(self, f"asyncrl-weights-{self.receiver_id}", context=self.uses_zmq)
         self._ctx = self._io.ctx
         self._stop = self._io.stop
+        self._shadow: Any = None
+        """The engine's :class:`~asyncrl.weights.shadow.ShadowWeights`, if attached (read by the I/O thread)."""
         # I/O thread only:
         self._failed_version: int | None = None
         self._retry_after = 0.0
@@ -66,6 +74,21 @@ class StagedReceiver(WeightReceiver):
         """Reports ``version`` as applied to the broadcaster (phase two)."""
 
     # -- worker thread -------------------------------------------------------------------------
+    def attach_shadow(self, shadow: Any) -> None:
+        """Fills ``shadow`` (the engine's :class:`~asyncrl.weights.shadow.ShadowWeights`) with every ``full`` version
+        whose tensors match its layout, during the transfer; the staged update's tensors are then the shadow's and
+        the engine swaps them in (``weights.shadow``). Call before :meth:`start`.
+
+        Raises:
+            ValueError: the backend cannot fill a shadow, or the receiver already started.
+        """
+        if not self.supports_shadow:
+            raise ValueError(f"weights.shadow: the {type(self).__name__} cannot fill an engine's shadow weights; use "
+                             "weights.type=shm, or weights.shadow=false")
+        if self._io.started:
+            raise ValueError(f"receiver {self.receiver_id}: attach_shadow() after start()")
+        self._shadow = shadow
+
     def start(self) -> None:
         if self._io.started:
             return
@@ -90,6 +113,8 @@ class StagedReceiver(WeightReceiver):
     def stats(self) -> dict[str, Any]:
         out = self._staging.stats()
         out.update(receiver_id=self.receiver_id, address=str(self.address))
+        if self._shadow is not None:
+            out["shadow"] = self._shadow.stats()
         return out
 
     def close(self) -> None:

@@ -24,7 +24,12 @@ Pipelining: ``latest.json`` is written before the first bucket. The broadcaster 
 bucket into the slot, each copy fused with the bucket's checksum (``asyncrl.weights._checksum``), and
 publishes each bucket by storing its checksum and then the header's ``written`` count; a receiver
 verifies bucket ``i`` in place while the broadcaster writes ``i + 1``, and stages views into the segment:
-the engine loads from them (HF: ``param.copy_(view)``), with no copy in between. (The two stores rely on
+the engine loads from them (HF: ``param.copy_(view)``), with no copy in between. With the engine's shadow
+weights attached (``weights.shadow``, :mod:`asyncrl.weights.shadow`) the receiver instead copies bucket ``i``
+into the shadow with the verification fused into that copy, while ``i + 1`` is written, drops its hold on the
+slot once the last bucket is in, and stages the shadow: the engine swaps it in at commit, with no copy on the
+critical path. A shadow still held by an earlier version (staged or being applied) is never written: that
+version is staged as views instead (counted ``shadow_busy``). (The two stores rely on
 the store order of x86 and of the Linux memory model for shared mappings between processes on one
 machine; ARM would need a fence.)
 
@@ -59,7 +64,7 @@ import orjson
 import torch
 
 from asyncrl.codec import DecodeError
-from asyncrl.weights._checksum import checksum, fill_bucket
+from asyncrl.weights._checksum import checksum, fill_bucket, scatter_bucket
 from asyncrl.weights._receiver import StagedReceiver
 from asyncrl.weights._staging import check_publish, check_receiver_id, unpack_bucket
 from asyncrl.weights.base import Bucket, WeightBroadcaster, WeightMode, WeightSyncError, WeightUpdate, plan_buckets
@@ -331,8 +336,11 @@ class ShmWeightReceiver(StagedReceiver):
         timeout_s: how long a transfer may wait for the broadcaster's next bucket before it fails.
 
     Memory: no copy of the weights; the staged update's tensors are read-only views into the segments
-    (writing into one faults). They stay valid while the update is held (see ``StagingArea``).
+    (writing into one faults). They stay valid while the update is held (see ``StagingArea``). With
+    :meth:`attach_shadow`, a ``full`` version matching the shadow's layout is staged over the shadow instead.
     """
+
+    supports_shadow = True
 
     def __init__(self, directory: str | os.PathLike, *, receiver_id: str, poll_s: float = 0.002,
                  timeout_s: float = 30.0):
@@ -345,6 +353,7 @@ class ShmWeightReceiver(StagedReceiver):
         # I/O thread only:
         self._last_key: tuple[int, int, int] | None = None
         self._maps: dict[tuple[int, int], _Mapping] = {}
+        self._shadow_refused: str | None = None
 
     # -- worker thread -------------------------------------------------------------------------
     def _check_start(self) -> None:
@@ -454,8 +463,20 @@ class ShmWeightReceiver(StagedReceiver):
                 else:
                     self._fail(version, reason)
                 return
-            if not self._read_buckets(mapping, info, key):
-                return
+            shadow = self._shadow_for(m)
+            filling = shadow is not None
+            try:
+                if not self._read_buckets(mapping, info, key, shadow):
+                    return
+                if shadow is not None:
+                    fill, release = self._shadow.finish()
+                    filling = False
+                    staged = True  # _stage_shadow closes fd first: the engine never reads the segment
+                    self._stage_shadow(info, shadow, fill, release, started, fd)
+                    return
+            finally:
+                if filling:
+                    self._shadow.abort()  # failed, abandoned or stopped: nothing of this fill is staged
             tensors: dict[str, torch.Tensor] = {}
             offset = info["data_offset"]
             for b in m.buckets:
@@ -470,6 +491,37 @@ class ShmWeightReceiver(StagedReceiver):
         finally:
             if not staged:
                 os.close(fd)  # drops the shared lock
+
+    def _shadow_for(self, m: Manifest) -> dict[str, torch.Tensor] | None:
+        """The attached shadow's tensors for this version (now FILLING), or None: views are staged instead."""
+        if self._shadow is None or m.mode != "full":
+            return None  # lora: adapters are small, the engine loads them from the views
+        reason = self._shadow.layout_mismatch(s for b in m.buckets for s in b.slots)
+        if reason is not None:
+            self._staging.count("shadow_mismatch")
+            if reason != self._shadow_refused:  # once per reason, not once per version
+                logger.warning("receiver %s: version %d does not fit the engine's shadow weights (%s); staging views",
+                               self.receiver_id, m.version, reason)
+                self._shadow_refused = reason
+                self._staging.set_info(shadow_refused=reason)
+            return None
+        tensors = self._shadow.acquire()
+        if tensors is None:  # still held by an earlier version (staged, or the engine is applying it)
+            self._staging.count("shadow_busy")
+        return tensors
+
+    def _stage_shadow(self, info: dict[str, Any], shadow: dict[str, torch.Tensor], fill: int, release: Any,
+                      started: float, fd: int) -> None:
+        """Stages the filled, verified shadow. The slot's hold is dropped first: nothing reads the segment again."""
+        m: Manifest = info["manifest"]
+        os.close(fd)
+        tensors = {s.name: shadow[s.name] for b in m.buckets for s in b.slots}
+        meta = {"receiver_id": self.receiver_id, "buckets": len(m.buckets), "staged_at": time.monotonic(),
+                "transfer_s": time.monotonic() - started, "segment": info["segment"], "publish": info["publish"],
+                "shadow": self._shadow, "shadow_fill": fill}
+        self._staging.count("versions_via_shadow")
+        self._stage(WeightUpdate(version=m.version, mode=m.mode, tensors=tensors, lora_config=m.lora_config,
+                                 metadata=meta, incarnation=m.incarnation), release=release)
 
     def _check_header(self, mapping: _Mapping, info: dict[str, Any]) -> str | None:
         m: Manifest = info["manifest"]
@@ -486,8 +538,10 @@ class ShmWeightReceiver(StagedReceiver):
                     f"{len(m.buckets)} buckets of {m.nbytes} bytes at {info['data_offset']}")
         return None
 
-    def _read_buckets(self, mapping: _Mapping, info: dict[str, Any], key: tuple[int, int, int] | None) -> bool:
-        """Verifies every bucket in place as the broadcaster writes it; False (counted) on any failure."""
+    def _read_buckets(self, mapping: _Mapping, info: dict[str, Any], key: tuple[int, int, int] | None,
+                      shadow: dict[str, torch.Tensor] | None = None) -> bool:
+        """Verifies every bucket as the broadcaster writes it, in place or (``shadow``) fused with its copy into the
+        shadow's tensors; False (counted) on any failure."""
         m: Manifest = info["manifest"]
         offset, last_progress = info["data_offset"], time.monotonic()
         for b in m.buckets:
@@ -510,7 +564,8 @@ class ShmWeightReceiver(StagedReceiver):
             if b.index and self._newer_than(key):  # a newer version: no point verifying this one further
                 return self._abandon(m.version)
             (want,) = _CHECKSUM.unpack_from(mapping.mm, _HEADER.size + _CHECKSUM.size * b.index)
-            got = self._verify_bucket(b, mapping.buf[offset : offset + b.nbytes])
+            data = mapping.buf[offset : offset + b.nbytes]
+            got = self._verify_bucket(b, data) if shadow is None else self._scatter_bucket(b, data, shadow)
             if got != want:
                 self._staging.count("checksum_mismatches")
                 self._fail(m.version, f"checksum mismatch in bucket {b.index} of version {m.version}: "
@@ -524,6 +579,10 @@ class ShmWeightReceiver(StagedReceiver):
     def _verify_bucket(self, bucket: Bucket, data: torch.Tensor) -> int:
         """The checksum of one bucket's bytes in the segment (the per-bucket receive step; a test slows it down)."""
         return checksum(memoryview(data.numpy()))
+
+    def _scatter_bucket(self, bucket: Bucket, data: torch.Tensor, shadow: dict[str, torch.Tensor]) -> int:
+        """Copies one bucket into the shadow, returning the checksum of what landed (a test slows it down)."""
+        return scatter_bucket(bucket, data, shadow)
 
     def _abandon(self, version: int) -> bool:
         self._staging.count("abandoned")

@@ -178,6 +178,17 @@ class Engine(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} has no weights to verify")
 
+    def shadow_weights(self) -> Any:
+        """The engine's :class:`~asyncrl.weights.shadow.ShadowWeights` (``weights.shadow``): a private second copy of
+        its weights that the receiver fills during a transfer and :meth:`apply_weights` swaps in.
+
+        Raises:
+            ValueError: the engine does not hold its weights as CPU tensors it can swap (only the HF engine on the
+                CPU does).
+        """
+        raise ValueError(f"weights.shadow: the {type(self).__name__} has no CPU tensors to shadow (the HF engine on "
+                         "the CPU has); set weights.shadow=false")
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases engine resources."""
 

@@ -1,0 +1,263 @@
+"""Shadow weights (``weights.shadow``): the shm receiver fills the engine's private copy during the transfer and the
+engine swaps it in at commit.
+
+What must hold: a swapped-in version is bit for bit the published one (ties kept, storage swapped, not copied); a
+corrupted bucket, an abandoned or interrupted fill never reaches the engine and the next version still does; a
+shadow held by a version the engine has (or is applying) is never written while a newer version arrives (that one
+is staged as views); the HF engine applies a shadow update by swapping, post-sync verification reads its live
+tensors after the swap, and the worker's fencing is unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from asyncrl.config import EngineConfig, WeightSyncConfig
+from asyncrl.weights import setup_weight_broadcaster, setup_weight_receiver
+from asyncrl.weights.shadow import ShadowWeights
+from asyncrl.weights.shm_weights import ShmWeightReceiver
+from asyncrl.weights.verify import WeightVerifier, tensor_checksum
+from tests.weights_utils import corrupt_next
+
+WAIT_S = 20.0
+KB = 1024
+
+
+def weights(version: int) -> dict[str, torch.Tensor]:
+    """8 tensors of 16 KiB (one bucket each at 16 KiB buckets), a tied pair, a bf16 and an empty one."""
+    out = {f"w{i}": torch.full((4 * KB,), float(version * 100 + i)) for i in range(8)}
+    emb = torch.arange(256, dtype=torch.float32).reshape(16, 16) + version
+    return {**out, "embed.weight": emb, "head.weight": emb, "norm": torch.full((8,), version).bfloat16(),
+            "empty": torch.zeros(0)}
+
+
+def engine_tensors() -> dict[str, torch.Tensor]:
+    """An engine's own tensors, laid out like ``weights`` (embed and head tied: one tensor under two names)."""
+    emb = torch.zeros(16, 16)
+    out = {f"w{i}": torch.zeros(4 * KB) for i in range(8)}
+    return {**out, "embed.weight": emb, "head.weight": emb, "norm": torch.zeros(8, dtype=torch.bfloat16),
+            "empty": torch.zeros(0)}
+
+
+def same(live: dict[str, torch.Tensor], version: int) -> bool:
+    want = weights(version)
+    return all(tensor_checksum(live[k]) == tensor_checksum(want[k]) for k in want)
+
+
+def until(check, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def channel():
+    """A shm broadcaster (16 KiB buckets) and a receiver filling the shadow of ``engine_tensors()``."""
+    b = setup_weight_broadcaster("shm", bucket_bytes=16 * KB)
+    live = engine_tensors()
+    shadow = ShadowWeights(live)
+    r = setup_weight_receiver("shm", b.address, receiver_id="r0")
+    r.attach_shadow(shadow)
+    r.start()
+    yield b, r, live, shadow
+    r.close()
+    b.close()
+
+
+def test_versions_are_swapped_in_bit_exact_with_ties_kept(channel):
+    b, r, live, shadow = channel
+    objects = {k: id(t) for k, t in live.items()}
+    storages = set()
+    for v in (1, 2, 3):
+        b.publish(weights(v), v)
+        update = r.wait(v, WAIT_S)
+        assert update is not None and shadow.holds(update) and update.metadata["shadow_fill"] == v
+        assert shadow.swap_into(live, update) and not shadow.swap_into(live, update)  # a re-apply changes nothing
+        r.commit(v)
+        assert same(live, v)
+        assert live["embed.weight"] is live["head.weight"]  # still one tensor: the tie survived the swap
+        assert {k: id(t) for k, t in live.items()} == objects  # the engine's objects stay; their storage moved
+        storages.add(live["w0"].data_ptr())
+    assert len(storages) == 2  # live and shadow storage alternate: swapped, never copied
+    stats = r.stats()
+    assert stats["versions_via_shadow"] == 3 and stats["held_updates"] == 0 and stats["failures"] == 0
+    assert stats["shadow"] == {**stats["shadow"], "fills": 3, "swaps": 3, "state": "free"}
+
+
+def test_a_corrupted_bucket_is_never_swapped_in(channel):
+    b, r, live, shadow = channel
+    b.publish(weights(1), 1)
+    u1 = r.wait(1, WAIT_S)
+    shadow.swap_into(live, u1)
+    r.commit(1)
+    corrupt_next(b, 3)
+    b.publish(weights(2), 2)
+    until(lambda: r.stats().get("checksum_mismatches", 0) >= 1, "the mismatch")
+    assert r.poll() is None and r.stats()["committed_version"] == 1
+    assert "checksum mismatch in bucket 3 of version 2" in r.stats()["recent_failures"][0]["reason"]
+    assert same(live, 1)  # the engine never saw a byte of version 2
+    until(lambda: shadow.stats()["state"] == "free", "the aborted fill to free the shadow")
+    assert shadow.stats()["aborted"] >= 1
+    b.publish(weights(3), 3)  # the half-written shadow is simply refilled
+    u3 = r.wait(3, WAIT_S)
+    assert shadow.holds(u3) and shadow.swap_into(live, u3)
+    r.commit(3)
+    assert same(live, 3)
+
+
+def test_a_held_shadow_is_not_written_while_the_next_version_arrives(channel):
+    """Version 1 is handed to the engine (staged over the shadow) and not committed when 2 is published: 2 is staged
+    as views and 1's bytes stay intact; once 2 is handed out, 1 is released and can no longer be swapped in."""
+    b, r, live, shadow = channel
+    b.publish(weights(1), 1)
+    u1 = r.wait(1, WAIT_S)
+    assert shadow.holds(u1)
+    b.publish(weights(2), 2)
+    until(lambda: r.stats()["versions_staged"] == 2, "version 2 to be staged")
+    assert r.stats()["shadow_busy"] >= 1 and same(u1.tensors, 1)
+    shadow.swap_into(live, u1)  # the engine applies 1 while 2 sits staged
+    assert same(live, 1)
+    u2 = r.wait(2, WAIT_S)
+    assert u2.metadata.get("shadow") is None and not shadow.holds(u2)  # views into the shared slot
+    with pytest.raises(ValueError, match="released"):
+        shadow.swap_into(live, u1)  # 1 was released when 2 was handed out
+    for k, t in u2.tensors.items():
+        live[k].copy_(t)
+    r.commit(2)
+    assert same(live, 2)
+    b.publish(weights(3), 3)
+    u3 = r.wait(3, WAIT_S)
+    assert shadow.holds(u3) and shadow.swap_into(live, u3)
+    r.commit(3)
+    assert same(live, 3)
+
+
+def test_a_fill_overtaken_by_newer_versions_stages_only_the_newest(channel, monkeypatch):
+    b, r, live, shadow = channel
+    real = ShmWeightReceiver._scatter_bucket
+
+    def slow(self, *args):
+        time.sleep(0.03)
+        return real(self, *args)
+
+    monkeypatch.setattr(ShmWeightReceiver, "_scatter_bucket", slow)
+    b.publish(weights(1), 1)
+    until(lambda: r.stats().get("bytes_received", 0) > 0, "the fill of version 1 to start")
+    b.publish(weights(2), 2)
+    b.publish(weights(3), 3)
+    update = r.wait(3, WAIT_S)
+    assert update is not None and update.version == 3 and shadow.holds(update)
+    assert same(update.tensors, 3)
+    assert r.stats()["abandoned"] >= 1 and shadow.stats()["aborted"] >= 1
+
+
+def test_closing_the_receiver_mid_fill_frees_the_shadow_and_leaves_the_engine(channel, monkeypatch):
+    b, r, live, shadow = channel
+    real = ShmWeightReceiver._scatter_bucket
+    monkeypatch.setattr(ShmWeightReceiver, "_scatter_bucket", lambda self, *a: (time.sleep(0.05), real(self, *a))[1])
+    b.publish(weights(1), 1)
+    until(lambda: r.stats().get("bytes_received", 0) > 0, "the fill to start")
+    r.close()
+    assert shadow.stats()["state"] == "free" and r.stats()["versions_staged"] == 0
+    assert all(not t.any() for t in live.values())  # nothing reached the engine
+
+
+def test_versions_the_shadow_cannot_take_go_through_views(channel):
+    b, r, live, shadow = channel
+    other = {k: (t.double() if k == "w0" else t) for k, t in weights(1).items()}
+    b.publish(other, 1)
+    u1 = r.wait(1, WAIT_S)
+    assert not shadow.holds(u1) and r.stats()["shadow_mismatch"] == 1
+    assert "w0 is float64[4096], the engine holds float32[4096]" in r.stats()["shadow_refused"]
+    r.commit(1)
+    b.publish({"a.lora_A.weight": torch.ones(4, 4)}, 2, mode="lora", lora_config={"r": 4})
+    u2 = r.wait(2, WAIT_S)  # adapters are small: the usual path, not a mismatch
+    assert u2.mode == "lora" and not shadow.holds(u2) and r.stats()["shadow_mismatch"] == 1
+    assert shadow.stats()["fills"] == 0
+
+
+def test_shadow_refuses_what_it_cannot_swap():
+    fused = torch.zeros(8, 4)
+    with pytest.raises(ValueError, match="different views of one storage"):
+        ShadowWeights({"qkv": fused, "q": fused[:4]})
+    with pytest.raises(ValueError, match="contiguous"):
+        ShadowWeights({"t": torch.zeros(4, 4).t()})
+    emb = torch.zeros(4)
+    live = {"a": emb, "b": emb}
+    shadow = ShadowWeights(live)
+    shadow.acquire()
+    fill, _ = shadow.finish()
+
+    class Update:
+        version, metadata = 1, {"shadow": shadow, "shadow_fill": fill}
+
+    with pytest.raises(ValueError, match="tied"):
+        shadow.swap_into({"a": torch.zeros(4), "b": torch.zeros(4)}, Update())  # untied since: refused, nothing moved
+    assert shadow.swap_into(live, Update())
+    with pytest.raises(ValueError, match="weights.type='shm'"):
+        WeightSyncConfig(type="zmq", shadow=True)
+    z = setup_weight_receiver("zmq", "tcp://127.0.0.1:1", receiver_id="z")
+    with pytest.raises(ValueError, match="cannot fill"):
+        z.attach_shadow(shadow)
+    z.close()
+
+
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory):
+    """The tiny model with its output head tied to the embedding (one parameter under two state dict names)."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from workers.tiny_model import build_tiny_model, save_model_dir
+
+    root = tmp_path_factory.mktemp("shadow")
+    base = build_tiny_model(root / "base")
+    config = Qwen2Config.from_pretrained(base)
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    return str(save_model_dir(root / "tied", Qwen2ForCausalLM(config), AutoTokenizer.from_pretrained(base)))
+
+
+def test_hf_engine_swaps_the_shadow_in_at_the_workers_safe_point(tied_model_dir):
+    """The worker's own apply path: the HF engine swaps (ties kept), post-sync verification reads the live tensors
+    after the swap (full check), the engine's outputs are the published weights' and carry their version."""
+    from tests.engine_utils import load_model, perturbed
+    from workers.engines.base import GenerationRequest
+    from workers.engines.hf import HFEngine
+    from workers.worker import RolloutWorker
+
+    engine = HFEngine(EngineConfig(type="hf", model=tied_model_dir, max_new_tokens=4))
+    model = engine.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    reference = load_model(tied_model_dir)
+    b = setup_weight_broadcaster("shm", bucket_bytes=64 * KB)
+    r = setup_weight_receiver("shm", b.address, receiver_id="hf")
+    r.attach_shadow(engine.shadow_weights())
+    r.start()
+    verifier = WeightVerifier("full")
+    worker = RolloutWorker("w0", engine, lambda *a, **k: [0.0], None, max_batch=1, weights=r, verifier=verifier)
+    ids = torch.tensor([[1, 40, 41, 42]])
+    try:
+        for v in (1, 2):
+            state = perturbed(reference, scale=0.1, seed=v)
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]  # the trainer's model is tied too
+            b.publish(state, v)
+            assert r.wait(v, WAIT_S) is not None
+            ptr = model.lm_head.weight.data_ptr()
+            assert worker.apply_staged_weights()
+            assert model.lm_head.weight.data_ptr() != ptr  # swapped, not copied
+            assert model.lm_head.weight is model.model.embed_tokens.weight
+            assert verifier.last.ok and verifier.last.kind == "full" and len(verifier.last.checked) == len(state)
+            reference.load_state_dict(state)
+            with torch.no_grad():
+                assert torch.equal(model(ids).logits, reference(ids).logits)
+            (completion,) = engine.generate([GenerationRequest(epoch=0, prompt_index=0, prompt={"prompt_ids": [1, 40]}, n=1)])[0]
+            assert completion.policy_version == v and engine.policy_version == v == r.committed_version
+        assert r.stats()["versions_via_shadow"] == 2 and r.stats()["shadow"]["swaps"] == 2
+    finally:
+        r.close()
+        b.close()
+        engine.close()
