@@ -470,9 +470,11 @@ def policy_loss(
         floats ``loss``, ``pg_loss``, ``kl`` (token mean, with ``ref_logprobs``), ``clip_fraction``,
         TRL's ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``, ``ratio_mean``,
         ``is_weight_mean``, ``correction_masked_fraction``, ``version_masked_fraction``,
-        ``truncated_masked_fraction``, ``nonfinite_fraction`` and ``valid_tokens``, with ``cispo``
-        ``cispo_clip_ratio``, with ``vespo`` ``vespo/phi_seq_mean`` (over rows). Means are over valid
-        tokens; masked fractions over finite tokens of ``loss_mask``.
+        ``truncated_masked_fraction``, ``nonfinite_fraction``, with ``cispo`` ``cispo_clip_ratio``, with ``vespo``
+        ``vespo/phi_seq_mean`` (over rows), and the counts the means are over: ``valid_tokens``, ``finite_tokens``
+        (of ``loss_mask``, all logprobs finite), ``response_tokens`` (of ``loss_mask``) and ``sequences``. Means are
+        over valid tokens; masked fractions over finite tokens of ``loss_mask``, ``nonfinite_fraction`` over
+        ``loss_mask``. :func:`asyncrl.step_metrics.global_metrics` combines them over ranks.
 
     Raises:
         ValueError: on mismatched shapes, or a missing input that ``config`` needs.
@@ -552,6 +554,8 @@ def policy_loss(
     stats["truncated_masked_fraction"] = (base & ~truncated_keep).sum() / n_base
     stats["nonfinite_fraction"] = (mask & ~finite).sum() / n_mask
     stats["valid_tokens"] = valid.sum()
+    stats["finite_tokens"], stats["response_tokens"] = base.sum(), mask.sum()  # the fractions' denominators
+    stats["sequences"] = torch.tensor(base.shape[0], device=base.device)
     # One device->host copy for all metrics instead of one sync per .item().
     values = torch.stack([v.float() for v in stats.values()]).tolist()
     return loss, dict(zip(stats, values))
@@ -567,8 +571,8 @@ def mismatch_metrics(
     ``k1 = mean(-log_ratio)``, ``k2 = mean(log_ratio**2 / 2)``, ``k3 = mean(exp(log_ratio) - 1 - log_ratio)``;
     ``ratio_outside_{c}``: the fraction of ``exp(log_ratio)`` outside ``[1/c, c]`` for each
     ``c`` in ``MISMATCH_RATIO_BOUNDS`` (keys ``ratio_outside_1.5``, ``ratio_outside_2``, ...). Also
-    ``trainer_nonfinite_fraction`` and ``rollout_nonfinite_fraction`` among the masked tokens, and
-    ``num_tokens`` (finite masked tokens the other stats cover).
+    ``trainer_nonfinite_fraction`` and ``rollout_nonfinite_fraction`` among the masked tokens, ``num_tokens``
+    (finite masked tokens the other stats cover) and ``response_tokens`` (masked tokens).
 
     Args:
         trainer_logprobs: ``[B, L]`` trainer logprobs of the sampled tokens.
@@ -610,7 +614,7 @@ def mismatch_metrics(
         stats[f"ratio_outside_{c:g}"] = outside.sum() / n_valid
     stats["trainer_nonfinite_fraction"] = (mask & ~trainer_finite).sum() / n_mask
     stats["rollout_nonfinite_fraction"] = (mask & ~rollout_finite).sum() / n_mask
-    stats["num_tokens"] = valid.sum()
+    stats["num_tokens"], stats["response_tokens"] = valid.sum(), mask.sum()
     values = torch.stack([v.float() for v in stats.values()]).tolist()
     return dict(zip(stats, values))
 
@@ -728,7 +732,8 @@ def compute_loss(
 
     Returns:
         ``(loss, metrics, advantages)``; metrics as :func:`policy_loss`'s, or the user's plus ``loss`` (and
-        ``kl``, the token mean of k3, when there are ``ref_logprobs``).
+        ``kl``, the token mean of k3, and ``valid_tokens`` unless the user's has it, when there are
+        ``ref_logprobs``).
 
     Raises:
         TypeError: when the user's function returns something other than a scalar tensor (and a dict).
@@ -773,6 +778,7 @@ def compute_loss(
         valid = mask.bool() & logprobs.isfinite() & ref_logprobs.isfinite()
         delta = torch.where(valid, ref_logprobs - logprobs.detach(), torch.zeros((), device=device))
         metrics["kl"] = float((delta.exp() - delta - 1).sum() / valid.sum().clamp(min=1))
+        metrics.setdefault("valid_tokens", float(valid.sum()))  # what kl is a mean over, for the ranks' mean
     return loss.reshape(()), metrics, advantages
 
 

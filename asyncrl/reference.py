@@ -10,8 +10,14 @@ started from, read from a model directory, so a resumed run gets the same refere
 peft model being trained from a fresh adapter, the policy itself with its adapters disabled
 (:meth:`ReferencePolicy.of_peft`: no second copy of the base). Its logprobs use the same sampling settings
 (temperature, top-k, top-p) as the trainer's, so the KL compares like with like. The trainer's step blocks in
-:meth:`ReferencePolicy.logprobs` for one forward pass without gradients. Under FSDP2 each rank holds a whole
-copy (the reference is small next to the optimizer state; sharding it is future work).
+:meth:`ReferencePolicy.logprobs` for one forward pass without gradients.
+
+Under FSDP2 (``parallel="fsdp2"``) the reference is sharded like the policy (``fully_shard`` per decoder layer,
+then the root), frozen, in eval mode, and resharded after every forward, the root included: each rank holds
+``1/world`` of it between steps and one decoder layer (plus the root's embeddings and head) gathered during its
+forward, and its logprobs are bit for bit the unsharded reference's. Its forward is then a collective: every rank
+calls :meth:`ReferencePolicy.logprobs` once per step, as it calls the policy's (``tests/integration/
+test_two_rank_step.py``). Under DDP each rank holds a whole copy (nothing to synchronise: it never trains).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import torch
 
 from asyncrl.logprobs import token_logprobs
 
-__all__ = ["ReferencePolicy"]
+__all__ = ["ReferencePolicy", "shard_frozen"]
 
 
 class ReferencePolicy:
@@ -43,12 +49,25 @@ class ReferencePolicy:
             model.requires_grad_(False)
 
     @classmethod
-    def load(cls, path: str | Path, *, dtype: str = "float32", device: str | torch.device = "cpu") -> ReferencePolicy:
-        """A frozen copy of the model saved in ``path`` (an HF directory: the run's initial policy)."""
+    def load(cls, path: str | Path, *, dtype: str = "float32", device: str | torch.device = "cpu",
+             parallel: str = "ddp") -> ReferencePolicy:
+        """A frozen copy of the model saved in ``path`` (an HF directory: the run's initial policy).
+
+        Args:
+            parallel: the policy's ``train.parallel``: ``fsdp2`` shards the copy over the process group (collective:
+                every rank loads it), ``ddp`` keeps a whole copy on each rank.
+
+        Raises:
+            ValueError: for another ``parallel``.
+        """
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
-        return cls(model.to(device))
+        if parallel not in ("ddp", "fsdp2"):
+            raise ValueError(f"reference for train.parallel={parallel!r}: must be 'ddp' or 'fsdp2'")
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).to(device)
+        model.eval()
+        model.requires_grad_(False)
+        return cls(shard_frozen(model) if parallel == "fsdp2" else model)
 
     @classmethod
     def of_peft(cls, policy: torch.nn.Module) -> ReferencePolicy:
@@ -65,7 +84,7 @@ class ReferencePolicy:
     @classmethod
     def for_run(cls, model: torch.nn.Module, policy: torch.nn.Module, *, model_dir: str | Path, run_dir: str | Path,
                 lora: bool, warmed: bool, fresh: bool, dtype: str = "float32",
-                device: str | torch.device = "cpu") -> ReferencePolicy:
+                device: str | torch.device = "cpu", parallel: str = "ddp") -> ReferencePolicy:
         """A training run's reference, on every rank (collective when it saves): under LoRA the policy with its
         adapters off; else a frozen copy of the policy the run started from: ``model_dir``, or after a full warm
         start (``warmed``) the warmed policy, saved once into ``{run_dir}/model-ref`` by a ``fresh`` run (its full
@@ -74,6 +93,8 @@ class ReferencePolicy:
         Args:
             model: the wrapped policy (DDP, FSDP2) the trainer steps.
             policy: the unwrapped HF (or peft) model.
+            parallel: ``train.parallel``; ``fsdp2`` shards the frozen copy as the policy is (under LoRA the policy
+                is the reference, sharded already).
         """
         import torch.distributed as dist
 
@@ -89,7 +110,7 @@ class ReferencePolicy:
                 policy.save_pretrained(ref_dir, state_dict={k.removeprefix("module."): v for k, v in full.items()})
             if distributed:
                 dist.barrier()
-        return cls.load(ref_dir, dtype=dtype, device=device)
+        return cls.load(ref_dir, dtype=dtype, device=device, parallel=parallel)
 
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -98,3 +119,17 @@ class ReferencePolicy:
         with context:
             return token_logprobs(self.model, input_ids, attention_mask, temperature=temperature, top_k=top_k,
                                   top_p=top_p, grad=False)
+
+
+def shard_frozen(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` (frozen, on its device) sharded with FSDP2 over the default process group as
+    :func:`asyncrl.parallel.parallelize` shards the policy, but resharded after every forward, the root too: a
+    module that never runs a backward would otherwise keep the root's gathered parameters (FSDP2 leaves the root
+    unsharded after forward, for the backward that follows)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from asyncrl.parallel import decoder_layers
+
+    for layer in decoder_layers(model):
+        fully_shard(layer, reshard_after_forward=True)
+    return fully_shard(model, reshard_after_forward=True)

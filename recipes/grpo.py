@@ -57,7 +57,7 @@ from asyncrl.recipe_config import RecipeConfig, load_config  # the run file's se
 from asyncrl.reference import ReferencePolicy
 from asyncrl.rewards import RewardSet, component_means, reward_weights
 from asyncrl.run_dir import RunDirLocked, continue_records, hold_run_dir, record_files
-from asyncrl.step_metrics import batch_stats, pipeline_counters
+from asyncrl.step_metrics import batch_stats, global_metrics, pipeline_counters
 from asyncrl.threads import trainer_threads
 from asyncrl.timeline import new_incarnation
 from asyncrl.weights.start import start_weight_sync
@@ -120,7 +120,8 @@ class GRPORecipe:
             self._sft_warmup()
         self.reference = None if cfg.loss.beta == 0 else ReferencePolicy.for_run(  # the KL's frozen initial policy
             self.model, self.policy, model_dir=self.model_dir, run_dir=self.run_dir, lora=bool(cfg.lora.rank),
-            warmed=bool(cfg.train.sft_steps), fresh=latest is None, dtype=cfg.model.dtype, device=self.device)
+            warmed=bool(cfg.train.sft_steps), fresh=latest is None, dtype=cfg.model.dtype, device=self.device,
+            parallel=cfg.train.parallel)  # FSDP2: sharded like the policy
         cfg.loss.max_completion_length = cfg.loss.max_completion_length or cfg.rollout.worker.engine.max_new_tokens
         self._start_weight_sync()
         self._build_loader()
@@ -314,23 +315,24 @@ class GRPORecipe:
             for a in record["anomalies"]:
                 print(f"[rank {self.rank}] step {self.step}: anomaly {a['kind']}: {a['detail']}"
                       + (f" (batch dumped to {self.run_dir / a['dump']})" if a["dump"] else ""), file=sys.stderr)
+        logged = global_metrics({**{f"loss/{k}": v for k, v in loss_metrics.items()},  # over every rank's tokens
+                                 **{f"mismatch/{k}": v for k, v in mismatch.items()}}, self.device)
         return {
             "step": self.step,
             "policy_version": self.version,
             "accepted": accepted,
             "guard_reason": reason,
-            "loss": float(loss.detach()),
+            "loss": logged["loss/loss"],
             "grad_norm": grad_norm,
             "update_ratio": ratio,
             **batch_stats(rewards, staleness, batch["num_tokens"], self.device),  # over all ranks
             "weight_bytes": weight_bytes,
             "publish_s": publish_s,
             "train_s": time.perf_counter() - t0 - publish_s,
-            **{f"loss/{k}": v for k, v in loss_metrics.items()},
-            **({"kl": loss_metrics["kl"]} if "kl" in loss_metrics else {}),  # loss.beta > 0 (TRL's name)
+            **logged,
+            **({"kl": logged["loss/kl"]} if "loss/kl" in logged else {}),  # loss.beta > 0 (TRL's name)
             # each reward function's unweighted mean over all ranks (TRL's rewards/<name>/mean)
             **{f"rewards/{k}/mean": v for k, v in component_means(batch.get("reward_components", {})).items()},
-            **{f"mismatch/{k}": v for k, v in mismatch.items()},
         }
 
     def _log(self, record: dict[str, Any], batch: dict[str, Any]) -> None:

@@ -285,7 +285,8 @@ def test_each_loss_type_matches_trl(loss_type):
 
 @pytest.mark.slow  # importing trl's trainer takes ~20 s (it imports vLLM)
 @pytest.mark.parametrize(("loss_type", "level", "delta", "epsilon_high"), [
-    ("cispo", "token", None, 5.0), ("sapo", "token", None, 0.2), ("luspo", "sequence", None, 0.2), ("vespo", "token", None, 0.2),
+    ("cispo", "token", None, 5.0), ("sapo", "token", None, 0.2), ("luspo", "sequence", None, 0.2),
+    ("vespo", "token", None, 0.2),
     ("grpo", "sequence", None, 0.2), ("dapo", "token", 1.3, 0.2), ("bnpo", "sequence", 1.3, 0.2)])
 def test_other_surrogates_gspo_and_delta_match_trl(loss_type, level, delta, epsilon_high):
     """Off-policy tokens (ratios 1.5 and 0.7) so that clipping, the delta cap and the gates all bite."""

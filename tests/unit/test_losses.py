@@ -276,7 +276,7 @@ def test_shape_errors():
 
 MISMATCH_KEYS = {
     "abs_diff_mean", "abs_diff_max", "k1", "k2", "k3", "ratio_outside_1.5", "ratio_outside_2", "ratio_outside_5",
-    "ratio_outside_10", "trainer_nonfinite_fraction", "rollout_nonfinite_fraction", "num_tokens",
+    "ratio_outside_10", "trainer_nonfinite_fraction", "rollout_nonfinite_fraction", "num_tokens", "response_tokens",
 }  # fmt: skip
 
 
@@ -284,8 +284,9 @@ def test_mismatch_identical_is_zero():
     lp = t([[-1.0, -2.0, -0.5, -3.0], [-0.1, -0.2, -0.3, -0.4]])
     m = mismatch_metrics(lp, lp.clone(), ALL)
     assert set(m) == MISMATCH_KEYS
-    assert {k: v for k, v in m.items() if k != "num_tokens"} == dict.fromkeys(MISMATCH_KEYS - {"num_tokens"}, 0.0)
-    assert m["num_tokens"] == 8
+    counts = {"num_tokens", "response_tokens"}
+    assert {k: v for k, v in m.items() if k not in counts} == dict.fromkeys(MISMATCH_KEYS - counts, 0.0)
+    assert m["num_tokens"] == m["response_tokens"] == 8
 
 
 DELTA = [0.5, -0.5, 1.0, -1.0, 2.0, -3.0]  # trainer - rollout at the 6 masked tokens
@@ -312,6 +313,7 @@ def expected_shift_metrics() -> dict[str, float]:
         "trainer_nonfinite_fraction": 0.0,
         "rollout_nonfinite_fraction": 0.0,
         "num_tokens": 6.0,
+        "response_tokens": 6.0,
     }
 
 
@@ -327,7 +329,8 @@ def test_mismatch_nonfinite_counted_and_excluded():
     rollout = torch.cat([rollout, t([[-1.0, -math.inf, -1.0, -1.0]])])
     mask = torch.cat([SHIFT_MASK, torch.tensor([[True, True, False, False]])])  # the last NaN is unmasked
     m = mismatch_metrics(trainer, rollout, mask)
-    expected = expected_shift_metrics() | {"trainer_nonfinite_fraction": 1 / 8, "rollout_nonfinite_fraction": 1 / 8}
+    expected = expected_shift_metrics() | {"trainer_nonfinite_fraction": 1 / 8, "rollout_nonfinite_fraction": 1 / 8,
+                                           "response_tokens": 8.0}
     assert m == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 

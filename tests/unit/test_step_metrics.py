@@ -45,3 +45,22 @@ def test_decoder_layers_of_a_plain_and_a_peft_model(tmp_path):
     assert layers is model.model.layers and len(layers) == model.config.num_hidden_layers
     peft = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
     assert decoder_layers(peft) is layers
+
+
+def test_every_logged_loss_and_mismatch_metric_says_what_it_is_over():
+    """A metric policy_loss or mismatch_metrics adds must get its weight in STEP_METRIC_WEIGHTS (else its global
+    value would silently be a plain mean over ranks); without a process group global_metrics changes nothing."""
+    from asyncrl.losses import LossConfig, mismatch_metrics, policy_loss
+    from asyncrl.step_metrics import RANK, STEP_METRIC_WEIGHTS, SUM, global_metrics
+
+    lp, mask = -torch.rand(2, 4), torch.ones(2, 4, dtype=torch.bool)
+    logged = {}
+    for loss_type in ("dapo", "cispo", "vespo"):
+        _, m = policy_loss(lp, lp - 0.1, lp, torch.tensor([1.0, -1.0]), mask, ref_logprobs=lp + 0.2,
+                           config=LossConfig(loss_type=loss_type, beta=0.1))
+        logged |= {f"loss/{k}": v for k, v in m.items()}
+    logged |= {f"mismatch/{k}": v for k, v in mismatch_metrics(lp, lp - 0.1, mask).items()}
+    assert sorted(set(logged) - set(STEP_METRIC_WEIGHTS)) == []
+    counts = {w for w in STEP_METRIC_WEIGHTS.values() if w not in (RANK, SUM, "max")}
+    assert counts <= set(logged) and all(STEP_METRIC_WEIGHTS[c] == SUM for c in counts)
+    assert global_metrics(logged, torch.device("cpu")) == logged
