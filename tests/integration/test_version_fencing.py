@@ -35,13 +35,16 @@ def _hf_streams() -> bool:
     return bool(getattr(HFEngine, "streaming", False))
 
 
-@pytest.mark.parametrize("backend,streaming", [
-    ("zmq", False), ("shm", False),
-    pytest.param("shm", True, marks=pytest.mark.skipif(not _hf_streams(), reason="the HF engine does not stream yet")),
+@pytest.mark.parametrize("backend,streaming,shadow", [
+    ("zmq", False, False), ("shm", False, False),
+    pytest.param("shm", False, True, marks=pytest.mark.slow, id="shm-shadow"),
+    pytest.param("shm", True, False,
+                 marks=pytest.mark.skipif(not _hf_streams(), reason="the HF engine does not stream yet")),
 ])
-def test_every_rollout_carries_the_version_that_produced_it(tmp_path, backend, streaming):
+def test_every_rollout_carries_the_version_that_produced_it(tmp_path, backend, streaming, shadow):
     """Static: whole rollouts per version. Streaming: updates land in flight, so a rollout's tokens may span
-    versions; every token is checked against the weights of its own span (``token_versions``)."""
+    versions; every token is checked against the weights of its own span (``token_versions``). Shadow: the
+    workers' receivers fill their engines' shadow weights, swapped in at the same safe point (``weights.shadow``)."""
     model_dir = str(build_tiny_model(tmp_path / "tiny"))
     base = load_model(model_dir)
     versions = {0: base.state_dict()}
@@ -62,7 +65,7 @@ def test_every_rollout_carries_the_version_that_produced_it(tmp_path, backend, s
             max_batch=1,
             streaming=streaming,
             engine=EngineConfig(type="hf", model=model_dir, max_new_tokens=12, **SAMPLING),
-            weights=WeightSyncConfig(type=backend, address=broadcaster.address),
+            weights=WeightSyncConfig(type=backend, address=broadcaster.address, shadow=shadow),
         ),
     )
     prompts = [{"text": f"{i}+{i % 5}="} for i in range(40)]
