@@ -156,7 +156,7 @@ def _receiver(address: str, delta: bool, versions: int, out: mp.Queue) -> None:
             if update is None:
                 out.put(("error", f"version {v} not staged within {REPORT_TIMEOUT_S} s: {r.stats()}"))
                 return
-            out.put(("staged", update.version, update.metadata["staged_at"]))
+            out.put(("staged", update.version, update.metadata["staged_at"], time.process_time()))
             r.commit(update.version)
             del update
         out.put(("stats", r.stats()))
@@ -176,27 +176,36 @@ def _settled(b, timeout: float = 1.0) -> dict[str, Any]:
     return last
 
 
-def zmq_section(before: dict, after: dict, *, delta: bool, repeats: int, bucket_bytes: int) -> dict[str, Any]:
+def zmq_section(before: dict, after: dict, *, delta: bool, repeats: int, bucket_bytes: int,
+                delta_threads: int = 1) -> dict[str, Any]:
     versions = repeats + 1
-    b = setup_weight_broadcaster("zmq", bucket_bytes=bucket_bytes, delta=delta)
+    b = setup_weight_broadcaster("zmq", bucket_bytes=bucket_bytes, delta=delta,
+                                 **({"delta_threads": delta_threads} if delta else {}))
     ctx = mp.get_context("spawn")
     q: mp.Queue = ctx.Queue()
     proc = ctx.Process(target=_receiver, args=(b.address, delta, versions, q), daemon=True)
     proc.start()
     samples = []
     try:
-        served = 0
+        served, receiver_cpu = 0, None
         for v in range(1, versions + 1):
             tensors = before if v % 2 else after
-            t0 = time.monotonic()
+            load = os.getloadavg()[0]
+            cpu0, t0 = time.process_time(), time.monotonic()
             b.publish(tensors, v)
             msg = q.get(timeout=REPORT_TIMEOUT_S)
             if msg[0] != "staged":
                 raise RuntimeError(f"receiver: {msg}")
+            cpu = time.process_time() - cpu0  # this process until staged (+ the poll below, ~0)
             stats = _settled(b)
             nbytes, served = stats["bytes_served"] - served, stats["bytes_served"]
+            # the receiver's CPU since it staged the previous version: this transfer, its commit and idle ticks
+            rcpu, receiver_cpu = (None if receiver_cpu is None else msg[3] - receiver_cpu), msg[3]
             if v > 1:  # version 1 is every receiver's first copy: full either way
-                samples.append({"version": v, "latency_s": msg[2] - t0, "bytes": nbytes})
+                samples.append({"version": v, "latency_s": msg[2] - t0, "bytes": nbytes, "loadavg_1m": load,
+                                "broadcaster_cpu_s": cpu, "receiver_cpu_s": rcpu,
+                                "encode_s": stats.get("delta_encode_s", 0.0) - sum(
+                                    x.get("encode_s", 0.0) for x in samples)})
         _, rstats = q.get(timeout=REPORT_TIMEOUT_S)
         proc.join(timeout=30)
     finally:
@@ -206,6 +215,7 @@ def zmq_section(before: dict, after: dict, *, delta: bool, repeats: int, bucket_
     keep = ("bytes_served", "delta_bytes", "full_bytes", "buckets_delta", "buckets_full", "delta_encode_s", "deltas_encoded",
             "deltas_not_smaller", "deltas_base_not_held")
     return {"delta": delta, "samples": samples, "latency_s": statistics.median(s["latency_s"] for s in samples),
+            "cpu_s": statistics.median(s["broadcaster_cpu_s"] + s["receiver_cpu_s"] for s in samples),
             "bytes": statistics.median(s["bytes"] for s in samples),
             "broadcaster": {k: v for k, v in stats.items() if k in keep},
             "receiver": {k: v for k, v in rstats.items() if "delta" in k or "bytes" in k or k == "failures"}}
@@ -275,6 +285,7 @@ def main() -> None:
     p.add_argument("--master", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--bucket-mb", type=int, default=64)
+    p.add_argument("--delta-threads", type=int, default=1, help="the broadcaster's delta encoder threads")
     p.add_argument("--densities", action="store_true", help="also the sparse/xor crossover")
     p.add_argument("--no-zmq", action="store_true")
     p.add_argument("--recipe-steps", type=int, default=0, help="> 0: also the tiny recipe with and without deltas")
@@ -297,14 +308,17 @@ def main() -> None:
     print(f"codec: {c['full_bytes'] / 1e6:.1f} MB -> {c['delta_bytes'] / 1e6:.2f} MB ({c['ratio']:.1f}x), "
           f"encode {c['encode_gb_per_s']:.2f} GB/s, decode {c['decode_gb_per_s']:.2f} GB/s, buckets {c['buckets']}")
     if not args.no_zmq:
-        full = zmq_section(before, after, delta=False, repeats=args.repeats, bucket_bytes=bucket_bytes)
-        delta = zmq_section(before, after, delta=True, repeats=args.repeats, bucket_bytes=bucket_bytes)
+        kw = {"repeats": args.repeats, "bucket_bytes": bucket_bytes}
+        full = zmq_section(before, after, delta=False, **kw)
+        delta = zmq_section(before, after, delta=True, delta_threads=args.delta_threads, **kw)
         result["zmq"] = {"full": full, "delta": delta, "bytes_ratio": full["bytes"] / max(delta["bytes"], 1),
-                         "speedup": full["latency_s"] / delta["latency_s"]}
+                         "speedup": full["latency_s"] / delta["latency_s"], "cpu_ratio": full["cpu_s"] / delta["cpu_s"]}
         z = result["zmq"]
+        loads = [s["loadavg_1m"] for x in (full, delta) for s in x["samples"]]
         print(f"zmq tcp: full {full['bytes'] / 1e6:.1f} MB in {full['latency_s']:.3f} s, delta "
               f"{delta['bytes'] / 1e6:.2f} MB in {delta['latency_s']:.3f} s: {z['bytes_ratio']:.1f}x fewer bytes, "
-              f"{z['speedup']:.2f}x faster")
+              f"{z['speedup']:.2f}x faster; CPU s per update (both ends) full {full['cpu_s']:.2f}, delta "
+              f"{delta['cpu_s']:.2f} ({z['cpu_ratio']:.2f}x less); load average {min(loads):.1f}-{max(loads):.1f}")
     if args.recipe_steps:
         result["recipe"] = r = recipe_section(args.recipe_steps)
         print(f"tiny recipe: {r['delta=False']['bytes_per_update']:.0f} B per update full, "

@@ -15,6 +15,11 @@ Who blocks on what:
   across versions: a version that falls out of the newest ``keep_versions`` lends its buffers to the
   next publish of the same layout once ZeroMQ has released every frame sent from them (a tracker per
   send; after ``REUSE_WAIT_S`` the publish allocates fresh buffers instead, counted).
+* Deltas (``delta=True``): encoder threads (:mod:`asyncrl.weights._delta_encoder`) encode each written bucket
+  against the previous version, once for every receiver at that base, while the trainer writes the next
+  bucket and the I/O thread sends the previous one; a GET for a delta being encoded waits in the I/O
+  thread (never blocking it). A publish that reuses a retired version's buffers waits for an encode
+  still reading them (one bucket's encode at most).
 * Receiver: one I/O thread owns the DEALER. It asks WANT on start, on ANNOUNCE and every
   ``WANT_INTERVAL_S`` as a fallback, fetches the newest version with at most ``window`` GETs in flight,
   copies every bucket out of its frame into a reused receive buffer (fused with the checksum), verifies
@@ -51,6 +56,7 @@ from asyncrl.transport._curve import allowed_keys, client_secret_key, start_auth
 from asyncrl.transport._zmq_util import IOThread, Waker, drain, is_loopback_bind
 from asyncrl.weights import protocol as P
 from asyncrl.weights._checksum import fill_bucket
+from asyncrl.weights._delta_encoder import DeltaEncoder
 from asyncrl.weights._receiver import StagedReceiver
 from asyncrl.weights._staging import check_publish, check_receiver_id, unpack_bucket
 from asyncrl.weights.base import Bucket, WeightBroadcaster, WeightMode, WeightSyncError, WeightUpdate, plan_buckets
@@ -75,6 +81,8 @@ REUSE_WAIT_S = 1.0
 """How long a publish waits for ZeroMQ to release a retired version's buffers before allocating new ones."""
 SPARE_SNAPSHOTS = 1
 """Retired bucket-buffer sets kept for reuse (beyond the ``keep_versions`` being served)."""
+_ENCODING = object()
+"""``_delta_fields``: the bucket's delta is being encoded; the GET waits for it."""
 
 
 def check_weight_bind(bind: str, security: TransportConfig | None) -> None:
@@ -102,6 +110,8 @@ class _Snapshot:
     buffers: list[torch.Tensor]
     trackers: list[zmq.MessageTracker] = field(default_factory=list)
     """Sends that may still read the buffers (ZeroMQ sends them zero-copy)."""
+    readers: int = 0
+    """Delta encodes reading the buffers now (under the broadcaster's ``_lock``)."""
 
     def released(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -127,7 +137,8 @@ class _Version:
     failed: bool = False
     """The publish raised before every bucket was written: GETs are answered GONE."""
     deltas: dict[tuple[int, Any, Any], Any] = field(default_factory=dict)
-    """Deltas encoded so far, by (bucket index, base version, base incarnation); None: sent full (I/O thread)."""
+    """Deltas encoded so far, by (bucket index, base version, base incarnation); None: sent full (under ``_lock``:
+    encoder threads write it, the I/O thread reads it)."""
 
 
 def _new_snapshot(layout: tuple[int, ...]) -> _Snapshot:
@@ -147,8 +158,13 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
             the rollout channel's transport settings; its ``bind`` is not used.
         delta: serve a bucket as a delta (:mod:`asyncrl.weights.delta`) against the base a receiver's GET
             names, when that version is still among the ``keep_versions`` kept here and the delta is smaller;
-            otherwise, and for receivers that name none, the full bucket. Encoded once per (bucket, base) in
-            the I/O thread, shared by every receiver at that base.
+            otherwise, and for receivers that name none, the full bucket. Encoded once per (bucket, base), shared
+            by every receiver at that base, in encoder threads (:mod:`asyncrl.weights._delta_encoder`): once some
+            receiver has asked for deltas, each bucket is encoded against the previous version as soon as the
+            publish has written it (a receiver's base is the version it committed, usually the previous one),
+            so encoding overlaps the sends and the receivers' decoding; a GET naming another base waits for
+            its encode.
+        delta_threads: encoder threads (buckets of a version are encoded in parallel across them).
 
     Raises:
         ValueError: for a non-loopback bind without CURVE, or CURVE without an allow-list of worker keys.
@@ -156,9 +172,9 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
     """
 
     def __init__(self, bind: str = "tcp://127.0.0.1:0", *, bucket_bytes: int = 64 << 20, keep_versions: int = 2,
-                 security: TransportConfig | None = None, delta: bool = False):
-        if bucket_bytes <= 0 or keep_versions < 1:
-            raise ValueError(f"{bucket_bytes=} must be > 0 and {keep_versions=} >= 1")
+                 security: TransportConfig | None = None, delta: bool = False, delta_threads: int = 1):
+        if bucket_bytes <= 0 or keep_versions < 1 or delta_threads < 1:
+            raise ValueError(f"{bucket_bytes=} must be > 0, {keep_versions=} >= 1 and {delta_threads=} >= 1")
         check_weight_bind(bind, security)
         self._curve = security if security is not None and security.curve_secret_key is not None else None
         self._allowed = allowed_keys(self._curve) if self._curve is not None else frozenset()
@@ -170,12 +186,14 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
         self.bucket_bytes = bucket_bytes
         self.keep_versions = keep_versions
         self.delta = delta
-        self._codec = DeltaCodec()  # I/O thread only
-        self._delta_lock = threading.Lock()  # held while a delta reads a kept version's buffers (before _lock)
+        self._codecs = threading.local()  # a DeltaCodec per encoder thread
         self._bases: dict[bytes, tuple[int, str]] = {}  # the base each receiver's last GET named (I/O thread)
+        self._delta_wanted = False  # some receiver named a base: encode each new bucket at once (eagerly)
+        self._encoder = DeltaEncoder(self, threads=delta_threads, on_error=self._encode_failed) if delta else None
         self._io = IOThread(self, "asyncrl-weight-broadcaster")
         self._ctx = self._io.ctx
         self._lock = threading.Lock()
+        self._read_done = threading.Condition(self._lock)  # an encode stopped reading a snapshot (_Snapshot.readers)
         self._publish_lock = threading.Lock()
         self._versions: collections.deque[_Version] = collections.deque()
         self._spare: list[_Snapshot] = []
@@ -235,6 +253,7 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
                     checksum = self._fill(b, tensors, buf)
                     with self._lock:
                         entry.checksums.append(checksum)
+                    self._encode_eagerly(entry, b.index)
                     self._wake()
             except BaseException:
                 with self._lock:  # no longer offered: receivers fail what they fetched of it and keep theirs
@@ -252,10 +271,12 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
 
     def _snapshot(self, layout: tuple[int, ...]) -> _Snapshot:
         """Bucket buffers for a version: a retired set of the same layout once ZeroMQ released it, else new."""
-        with self._delta_lock, self._lock:  # not while a delta (I/O thread) still reads the retired set
+        with self._lock:
             spare = next((s for s in self._spare if s.layout == layout), None)
             if spare is not None:
                 self._spare.remove(spare)
+                # not while an encode still reads the retired set (a wait of one bucket's encode at most)
+                self._read_done.wait_for(lambda: spare.readers == 0)
         if spare is not None:
             if spare.released(REUSE_WAIT_S):
                 self._counters["snapshots_reused"] += 1
@@ -287,6 +308,8 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
         return out
 
     def close(self) -> None:
+        if self._encoder is not None:
+            self._encoder.close()
         self._io.close(before_join=self._waker.close)
         with self._lock:
             self._versions.clear()
@@ -443,7 +466,13 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
                 self._pending.append(entry)
             entry.waiting.append((identity, index))
             return
-        fields = self._delta_fields(entry, index, identity) or P.encode_bucket(entry.snapshot.buffers[index])
+        fields = self._delta_fields(entry, index, identity)
+        if fields is _ENCODING:  # served once the encoder is done (it wakes this thread)
+            if not entry.waiting:
+                self._pending.append(entry)
+            entry.waiting.append((identity, index))
+            return
+        fields = fields or P.encode_bucket(entry.snapshot.buffers[index])
         data = fields["data"]
         body = {"version": entry.manifest.version, "index": index, "checksum": entry.checksums[index], **fields}
         tracker = self._send(sock, identity, encode(P.BUCKET, body), track=True)
@@ -464,34 +493,83 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
         version, incarnation = body.get("base_version"), body.get("base_incarnation", "")
         if type(version) is int and isinstance(incarnation, str) and len(incarnation) <= P.MAX_INCARNATION_CHARS:
             self._bases[identity] = (version, incarnation)
+            self._delta_wanted = self.delta
         else:
             self._bases.pop(identity, None)
 
-    def _delta_fields(self, entry: _Version, index: int, identity: bytes) -> dict[str, Any] | None:
-        """BUCKET fields of bucket ``index`` as a delta against the base the receiver named, or None (send it
-        full): deltas off, no base named, that version not kept here, another layout, or a delta not smaller."""
-        base = self._bases.get(identity) if self.delta else None
+    def _delta_fields(self, entry: _Version, index: int, identity: bytes) -> dict[str, Any] | None | object:
+        """BUCKET fields of bucket ``index`` as a delta against the base the receiver named, None (send it full:
+        deltas off, no base named, that version not kept here, another layout, a delta not smaller), or
+        ``_ENCODING`` while its encode is queued or running (this call queues it if it is neither)."""
+        base = self._bases.get(identity) if self._encoder is not None else None
         if base is None:
             return None
         key = (index, *base)
-        if key not in entry.deltas:
-            with self._delta_lock:
-                with self._lock:
-                    held = next((v for v in self._versions if v is not entry and not v.failed
-                                 and (v.manifest.version, v.manifest.incarnation) == base
-                                 and index < len(v.checksums)), None)
-                t0 = time.perf_counter()
-                entry.deltas[key] = None if held is None else encode_delta(
-                    self._codec, entry.manifest.buckets[index], entry.snapshot.buffers[index],
-                    held.manifest.buckets[index], held.snapshot.buffers[index], base_version=base[0],
-                    base_incarnation=base[1], checksum=entry.checksums[index])
-            outcome = ("base_not_held" if held is None else "not_smaller" if entry.deltas[key] is None
-                       else "encoded")
+        with self._lock:
+            done, delta = key in entry.deltas, entry.deltas.get(key)
+        if done:
+            return None if delta is None else {"data": torch.from_numpy(delta.payload), "delta": delta.header()}
+        if not self._encoder.alive:  # type: ignore[union-attr]  # closing: full
+            return None
+        self._submit_encode(entry, key)
+        return _ENCODING
+
+    # -- encoder threads (asyncrl.weights._delta_encoder) ----------------------------------------
+    def _encode_eagerly(self, entry: _Version, index: int) -> None:
+        """(Trainer thread, once bucket ``index`` of ``entry`` is written.) Queues its delta against the previous
+        version, the base of every receiver that committed it, once some receiver has asked for deltas."""
+        if self._encoder is None or not self._delta_wanted:
+            return
+        with self._lock:
+            base = next((v for v in reversed(self._versions) if v is not entry and not v.failed
+                         and len(v.checksums) == len(v.manifest.buckets)), None)
+        if base is not None:
+            self._submit_encode(entry, (index, base.manifest.version, base.manifest.incarnation))
+
+    def _submit_encode(self, entry: _Version, key: tuple[int, int, str]) -> None:
+        m = entry.manifest
+        self._encoder.submit((m.version, m.incarnation, *key), lambda: self._encode(entry, key))  # type: ignore[union-attr]
+
+    def _encode(self, entry: _Version, key: tuple[int, int, str]) -> None:
+        """(Encoder thread.) Encodes bucket ``key[0]`` of ``entry`` against the kept version ``key[1:]`` into
+        ``entry.deltas`` (None: serve it full), then wakes the I/O thread for the GETs parked on it."""
+        index, base = key[0], key[1:]
+        delta, outcome, t0, reading = None, None, time.perf_counter(), ()
+        try:
             with self._lock:
-                self._counters["delta_encode_s"] += time.perf_counter() - t0
-                self._counters[f"deltas_{outcome}"] += 1
-        delta = entry.deltas[key]
-        return None if delta is None else {"data": torch.from_numpy(delta.payload), "delta": delta.header()}
+                if key in entry.deltas:
+                    return
+                live = any(v is entry for v in self._versions) and not entry.failed
+                held = next((v for v in self._versions if v is not entry and not v.failed
+                             and (v.manifest.version, v.manifest.incarnation) == base
+                             and index < len(v.checksums)), None)
+                if live and held is not None:  # their buffers are not handed to a new publish meanwhile
+                    reading = (entry.snapshot, held.snapshot)
+                    for snap in reading:
+                        snap.readers += 1
+            if not live:  # withdrawn or retired: its GETs are answered GONE
+                return
+            outcome = "base_not_held"
+            if held is not None:
+                codec = getattr(self._codecs, "codec", None) or DeltaCodec()
+                self._codecs.codec = codec
+                delta = encode_delta(codec, entry.manifest.buckets[index], entry.snapshot.buffers[index],
+                                     held.manifest.buckets[index], held.snapshot.buffers[index],
+                                     base_version=base[0], base_incarnation=base[1], checksum=entry.checksums[index])
+                outcome = "not_smaller" if delta is None else "encoded"
+        finally:  # always recorded (None after an error: served full), so that no GET waits for it forever
+            with self._lock:
+                for snap in reading:
+                    snap.readers -= 1
+                self._read_done.notify_all()
+                entry.deltas.setdefault(key, delta)
+                if outcome is not None:
+                    self._counters["delta_encode_s"] += time.perf_counter() - t0
+                    self._counters[f"deltas_{outcome}"] += 1
+            self._wake()
+
+    def _encode_failed(self, error: BaseException) -> None:
+        self._count("delta_encode_errors")
 
 
 @dataclass(slots=True)

@@ -230,3 +230,48 @@ def test_broadcaster_without_deltas_ignores_named_bases(receivers):
         assert r.stats().get("buckets_delta", 0) == 0 and b.stats().get("delta_bytes", 0) == 0
     finally:
         b.close()
+
+
+def test_buckets_are_encoded_once_at_publish_for_every_receiver_at_that_base(broadcaster, receivers):
+    v1 = weights()
+    v2, v3 = step(v1, 1), step(step(v1, 1), 2)
+    broadcaster.publish(v1, 1)
+    rs = [receivers(broadcaster.address, f"w{i}") for i in range(2)]
+    for r in rs:
+        apply(r, 1, v1)
+    broadcaster.publish(v2, 2)
+    for r in rs:
+        apply(r, 2, v2)
+    assert all(r.stats()["buckets_delta"] > 0 for r in rs)
+    before = broadcaster.stats()["deltas_encoded"]
+    for r in rs:
+        r.close()  # nobody asks for version 3: its deltas are encoded as the publish writes each bucket
+    buckets = broadcaster.publish(v3, 3)["buckets"]
+    wait_for(lambda: broadcaster.stats()["deltas_encoded"] - before == buckets, lambda: broadcaster.stats())
+    late = receivers(broadcaster.address, "w0")  # w0 again, with no base: full, and nothing encoded for it
+    apply(late, 3, v3)
+    assert late.stats().get("buckets_delta", 0) == 0 and broadcaster.stats()["deltas_encoded"] - before == buckets
+
+
+def test_an_encode_that_fails_serves_the_bucket_full(broadcaster, receivers, monkeypatch):
+    from asyncrl.weights import zmq_weights
+
+    real = zmq_weights.encode_delta
+
+    def first_bucket_fails(codec, bucket, *args, **kwargs):
+        if bucket.index == 0:
+            raise MemoryError("encode of bucket 0 failed")
+        return real(codec, bucket, *args, **kwargs)
+
+    monkeypatch.setattr(zmq_weights, "encode_delta", first_bucket_fails)
+    v1 = weights()
+    v2 = step(v1, 1)
+    broadcaster.publish(v1, 1)
+    r = receivers(broadcaster.address, "w0")
+    apply(r, 1, v1)
+    full_before = r.stats()["buckets_full"]
+    buckets = broadcaster.publish(v2, 2)["buckets"]
+    apply(r, 2, v2)  # exact, bucket 0 full and the rest as deltas
+    s, b = r.stats(), broadcaster.stats()
+    assert s["buckets_full"] - full_before == 1 and s["buckets_delta"] == buckets - 1 and s.get("failures", 0) == 0
+    assert b["delta_encode_errors"] >= 1
