@@ -229,20 +229,6 @@ def _topk_vllm(engine: Any, prompts: list[Any], n: int, k: int, seed: int) -> li
     return result
 
 
-def _vllm_lora_checksums(engine: Any, names: list[str], lora_config: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's LoRA adapter read back (``VLLMEngine.weight_checksums`` cannot: vLLM loads an adapter at the next
-    request naming it): one 1-token request with the engine's LoRA request forces the load, then the worker
-    extension reads the adapter's slot in the LoRA layers (:meth:`AsyncrlWorkerExtension.asyncrl_lora_checksums`)."""
-    from vllm import SamplingParams
-
-    lora = engine._lora_request()
-    engine.llm.generate([{"prompt_token_ids": [0]}], SamplingParams(max_tokens=1), lora_request=lora, use_tqdm=False)
-    rank, alpha = lora_config["r"], lora_config["lora_alpha"]
-    scaling = alpha / rank ** 0.5 if lora_config.get("use_rslora") else alpha / rank
-    held = engine.llm.collective_rpc("asyncrl_lora_checksums", args=(names, 1, float(scaling)))[0]
-    return {n: None if v is None else (v[0], int(v[1])) for n, v in held.items()}
-
-
 def _specs(engine: Any) -> dict[str, Any]:
     """The engine's own parameters: ``{"params": {name: [shape, dtype]}, "tied": [[names sharing storage]]}``."""
     if hasattr(engine, "llm"):
@@ -272,7 +258,6 @@ def _serve(args: argparse.Namespace) -> None:
     verifier = WeightVerifier("full")
     sock.send_multipart(encode(_KIND, {"engine": type(engine).__name__, "pid": os.getpid()}))
     calls = 0
-    lora_config = None
     try:
         while True:
             _, msg = decode(sock.recv_multipart(copy=False))
@@ -290,15 +275,11 @@ def _serve(args: argparse.Namespace) -> None:
                     engine.apply_weights(update)
                     result = verifier.after(engine, update, plan)
                     receiver.commit(update.version)
-                    lora_config = update.lora_config if update.mode == "lora" else lora_config
                     reply = {"version": update.version, "mode": update.mode, "tensors": len(update.tensors),
                              "mismatched": result.mismatched if result else [],
                              "unverifiable": result.unverifiable if result else []}
                 elif op == "checksums":
-                    if msg["mode"] == "lora" and hasattr(engine, "llm") and lora_config is not None:
-                        held = _vllm_lora_checksums(engine, list(msg["names"]), lora_config)
-                    else:
-                        held = engine.weight_checksums(msg["mode"], list(msg["names"]))
+                    held = engine.weight_checksums(msg["mode"], list(msg["names"]))  # vLLM LoRA: its adapter slot
                     reply = {"checksums": {n: None if v is None else [v[0], int(v[1])] for n, v in held.items()}}
                 elif op == "generate":
                     reply = {"groups": _groups(engine, msg["prompts"], msg["n"])}

