@@ -25,6 +25,10 @@ Ties: names whose live tensors share storage (an embedding tied to the output he
 and every live tensor of such a group gets the same new storage at the swap, so ties survive. Views into
 one storage at different offsets (a fused weight with split views) are refused: a swap would separate them.
 
+What the engine must not do: keep an alias of a parameter's storage across updates (``w = param.data`` cached
+for later forwards). After a swap that storage is the shadow, which the next transfer overwrites while the engine
+generates; modules that read ``self.weight`` at each forward (every HF model) always see the live storage.
+
 Who blocks on what: nothing blocks; every method takes one lock briefly. Costs one extra copy of the
 parameters per engine (``weights.shadow``, off by default).
 """

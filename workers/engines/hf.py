@@ -14,7 +14,9 @@ without ``generate``'s per-token bookkeeping: the same tokens and logprobs bit f
 the tiny model); a vision-language model, or one whose forward does not take a ``DynamicCache``, goes through
 ``generate``. Weights: a ``full`` update loads a state dict (HF names,
 strict, dropping any adapter); a ``lora`` update wraps the model with peft on first use and loads the
-adapter state dict (the LoRA config is fixed from then on). With ``engine.quantization=nf4`` the base is
+adapter state dict (the LoRA config is fixed from then on). With shadow weights (``weights.shadow``,
+:meth:`HFEngine.shadow_weights`) a ``full`` update the receiver staged over the shadow is applied by swapping the
+shadow's storage with the module's (``param.data``, O(1) per tensor, ties kept) instead of copying it. With ``engine.quantization=nf4`` the base is
 the trainer's 4-bit QLoRA base (:func:`asyncrl.qlora.load_quantized_base`) and only ``lora`` updates apply.
 
 Long-tailed workloads (benchmarks): with ``engine.ignore_eos`` no stop token (EOS or
@@ -127,6 +129,8 @@ class HFEngine(Engine):
         self._calls = 0
         self._lora_config: dict[str, Any] | None = None
         """The normalised ``LoraConfig.to_dict()`` the model is wrapped with; None = no adapter."""
+        self._shadow = None
+        """The :class:`~asyncrl.weights.shadow.ShadowWeights` the receiver fills (``weights.shadow``), made on demand."""
         self._stream = None
         """The streaming scheduler (:mod:`workers.engines.hf_stream`), made by the first ``submit``."""
         self._static_busy_s = 0.0
@@ -327,7 +331,8 @@ class HFEngine(Engine):
         if update.version < self.policy_version and getattr(update, "incarnation", "") == self.incarnation:
             raise ValueError(f"weight update {update.version=} is older than the engine's {self.policy_version=}")
         if update.mode == "full":
-            self._apply_full(update.tensors)
+            if not self._swap_shadow(update):
+                self._apply_full(update.tensors)
         elif update.mode == "lora":
             self._apply_lora(update.tensors, update.lora_config)
         else:
@@ -348,6 +353,39 @@ class HFEngine(Engine):
         else:
             held = self.model.state_dict() if self._lora_config is None else {}  # an adapter renames the base
         return {n: (str(held[n].dtype).removeprefix("torch."), tensor_checksum(held[n])) for n in names if n in held}
+
+    def shadow_weights(self) -> Any:
+        """The engine's shadow weights (made on the first call, its memory touched: one more copy of the state dict).
+
+        Raises:
+            ValueError: a CUDA or 4-bit engine (the receiver fills CPU tensors it can swap byte for byte), or a
+                model wrapped with a LoRA adapter (shadow the base before the first adapter update).
+        """
+        if self._shadow is None:
+            if self.device.type != "cpu" or self.config.quantization != "none" or self._lora_config is not None:
+                raise ValueError(f"weights.shadow needs the HF engine on the CPU without a 4-bit base or an adapter "
+                                 f"(engine.device={self.config.device!r}, engine.quantization="
+                                 f"{self.config.quantization!r}, adapter loaded: {self._lora_config is not None})")
+            from asyncrl.weights.shadow import ShadowWeights
+
+            for p in self.model.parameters():  # the shadow is contiguous: so must the storage it swaps with be
+                if not p.is_contiguous():
+                    p.data = p.data.contiguous()
+            self._shadow = ShadowWeights(self.model.state_dict(keep_vars=True))
+        return self._shadow
+
+    def _swap_shadow(self, update: Any) -> bool:
+        """Applies a full ``update`` staged over this engine's shadow by swapping storage (the receiver checked its names,
+        dtypes and shapes against the shadow's, made from this model); False if it is not one, or an adapter is loaded
+        (then :meth:`_apply_full` unloads it and copies from the shadow)."""
+        if self._shadow is None or self._lora_config is not None or not self._shadow.holds(update):
+            return False
+        try:
+            self._shadow.swap_into(self.model.state_dict(keep_vars=True), update)
+        except ValueError as e:  # the module's layout or ties changed since the shadow was made: copy it instead
+            logger.warning("HF engine: cannot swap in the shadow weights of version %d (%s); copying them", update.version, e)
+            return False
+        return True
 
     def _apply_full(self, tensors: dict[str, torch.Tensor]) -> None:
         if self.config.quantization != "none":
