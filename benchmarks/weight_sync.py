@@ -270,11 +270,15 @@ def run_case(path: str, n: int, payload: dict[str, torch.Tensor], shapes: list, 
     else:
         from asyncrl.weights import setup_weight_broadcaster
 
-        kw = {"keep_versions": 1} if path == "zmq" else {}
+        # shm: wait for a slot rather than replace it. A receiver still hashing its engine tensors (the untimed
+        # digest of the first version: seconds at 4 GB with 4 receivers on 2 cores) holds its slot past the default
+        # slot_wait_s; a replaced slot is a fresh segment of the version's size while the old one stays mapped,
+        # the likely cause of the OOM at 4 GB x 4 (2026-12-01). Replacements are reported per case.
+        kw = {"keep_versions": 1} if path == "zmq" else {"slot_wait_s": REPORT_TIMEOUT_S}
         b = setup_weight_broadcaster(path, bucket_bytes=args.bucket_mb << 20, **kw)
         addresses = [b.address] * n
     receivers = Receivers(path, addresses, shapes, engine_mode, args.threads)
-    samples, digests = [], []
+    samples, digests, broadcaster_stats = [], [], {}
     try:
         for k in range(args.repeats + 1):  # version 0 of a case warms it up (segments, buffers, mappings)
             version = version0 + k + 1
@@ -308,6 +312,7 @@ def run_case(path: str, n: int, payload: dict[str, torch.Tensor], shapes: list, 
                 s.close(linger=0)
             ctx.term()
         else:
+            broadcaster_stats = b.stats()
             b.close()
     if any(d != want for d in digests):
         raise AssertionError(f"{path} x{n}: engine tensors differ from the payload ({digests} vs {want})")
@@ -319,7 +324,8 @@ def run_case(path: str, n: int, payload: dict[str, torch.Tensor], shapes: list, 
             "first_version": first,
             "publish_s": stats_of([s["publish_s"] for s in samples]), "samples": samples,
             "via_shadow": sum(s["via_shadow"] for s in samples),
-            "receiver_reports": stopped, "loadavg_1m": os.getloadavg()[0]}
+            "receiver_reports": stopped, "loadavg_1m": os.getloadavg()[0],
+            "slots_replaced": broadcaster_stats.get("slots_replaced", 0) if path != "raw_zmq" else None}
 
 
 def memcpy_case(payload: dict[str, torch.Tensor], repeats: int) -> dict[str, Any]:
