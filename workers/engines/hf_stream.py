@@ -4,10 +4,13 @@
 
     submit(key, request) ──► queue of sequences (one per sample, in submission order)
     poll(timeout): repeat until a request has all n samples done, or timeout passed (at least one step):
-        admit   queued sequences up to engine.max_num_seqs: prefill them as one left-padded batch, sample
-                each one's first token, merge their cache rows into the running batch (left-padded to one length)
+        admit   queued sequences up to engine.max_num_seqs, once ADMIT_FRACTION of the rows are free (or the
+                queue holds no more, or nothing runs): drop the finished rows (cache.batch_select_indices), prefill
+                the new ones as one left-padded batch, sample each one's first token, merge their cache rows into
+                the running batch (left-padded to one length), drop the left padding no row needs any more
         decode  one token for every running row (one forward pass of the whole batch)
-        retire  finished rows (cache.batch_select_indices), drop the left padding no row needs any more
+        retire  finished sequences leave the batch's bookkeeping at once (a request whose n are done is ready);
+                their cache rows stay until the next admission, or until a quarter of the rows are finished
     apply_weights between two polls (the worker's main thread; nothing decodes meanwhile):
         keep    the running rows' cache is recomputed under the new weights (prompt + tokens so far,
                 re-prefilled), so every later token is what the new policy samples after that prefix
@@ -23,11 +26,20 @@ this one takes a few, it samples from one RNG for the whole batch (a group's tok
 
 Sampling: each row's distribution is :func:`asyncrl.logprobs.sampling_logprobs` of its logits (temperature,
 top-k, top-p: the trainer's own function), and the logprob reported is that of the sampled token under it.
-Each sequence draws from its own ``torch.Generator`` seeded from ``(seed, epoch, prompt_index, sample,
-policy_version at submit)``, so its tokens do not depend on which other rows share the batch (up to float
-rounding of the batched matmuls). Rows are left-padded with an attention mask; position ids count each row's real
-tokens (what the trainer's :func:`~asyncrl.logprobs.token_logprobs` and ``generate`` use), so a row admitted
-later, padded differently, sees the same RoPE phases.
+Each sequence draws its uniforms from its own ``torch.Generator`` seeded from ``(seed, epoch, prompt_index,
+sample, policy_version at submit)``, one per token (``UNIFORM_BLOCK`` at a time), and the whole batch samples in
+one inverse-CDF pass (the first token whose cumulative probability exceeds the row's uniform: an exact draw from
+the row's distribution, as ``torch.multinomial`` is, without a call per row), so a sequence's tokens do not depend
+on which other rows share the batch (up to float rounding of the batched matmuls).
+Rows are left-padded with an attention mask; position ids count each row's real tokens (what the trainer's
+:func:`~asyncrl.logprobs.token_logprobs` and ``generate`` use), so a row admitted later, padded differently, sees
+the same RoPE phases.
+
+Cost model (why admissions are batched and retirement is lazy): on a CPU with a small model, or a GPU whose batch
+is memory-bound, a forward pass costs about the same for 1 or 64 rows, so the scheduler's rate is rows per pass.
+A prefill is a pass of its own: admitting each row the moment it frees added ~one prefill per two decode steps at
+64 rows; waiting for ``ADMIT_FRACTION`` of the rows leaves ~1/16 of them idle for a few steps and saves most of
+those passes. Dropping a finished row copies every layer's cache: it is done once per admission, with the merge.
 
 Lengths follow the static path: ``engine.ignore_eos`` runs each sample to its :func:`~workers.engines.hf.length_targets`
 target (finish ``length``; text up to the first stop token); otherwise a stop token ends it (kept, finish ``stop``)
@@ -54,7 +66,16 @@ from workers.engines.base import Completion, Finished, GenerationRequest
 if TYPE_CHECKING:
     from workers.engines.hf import HFEngine
 
-__all__ = ["StreamScheduler"]
+__all__ = ["ADMIT_FRACTION", "UNIFORM_BLOCK", "StreamScheduler"]
+
+ADMIT_FRACTION = 1 / 8
+"""Queued sequences are admitted (one prefill pass) once this share of ``engine.max_num_seqs`` is free, or when the
+queue holds fewer, or when no row is running."""
+COMPACT_FRACTION = 1 / 4
+"""Finished rows are dropped from the cache before a decode step once they are this share of the batch (otherwise at
+the next admission)."""
+UNIFORM_BLOCK = 64
+"""Uniforms a sequence draws from its generator at a time (its stream does not depend on the block)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -68,6 +89,8 @@ class _Seq:
     target: int | None
     """``ignore_eos``: the length it runs to."""
     generator: torch.Generator
+    uniforms: list[float] = field(default_factory=list)
+    """This block of the sequence's uniforms; token ``t`` uses element ``t % UNIFORM_BLOCK``."""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     spans: list[list[int]] = field(default_factory=list)
@@ -76,6 +99,14 @@ class _Seq:
     pause_s: float = 0.0
     """In-flight weight-update pauses while it was running (not busy)."""
     finish: str | None = None
+
+    def uniform(self) -> float:
+        """The uniform in [0, 1) of the next token."""
+        i = len(self.tokens) % UNIFORM_BLOCK
+        if i == 0:
+            g = self.generator
+            self.uniforms = torch.rand(UNIFORM_BLOCK, generator=g, dtype=torch.float64, device=g.device).tolist()
+        return self.uniforms[i]
 
 
 @dataclass(slots=True, eq=False)
@@ -97,7 +128,9 @@ class StreamScheduler:
         self.ready: list[Finished] = []
         """Finished, failed or aborted, for the next :meth:`poll`."""
         self.rows: list[_Seq] = []
-        """The running batch, in cache row order."""
+        """The running batch, in cache row order; finished rows stay until the next compaction (``finish`` set)."""
+        self.live = 0
+        """Rows of ``rows`` still decoding."""
         self.cache = None
         self.mask = torch.zeros((0, 0), dtype=torch.long, device=engine.device)
         self.busy_s = 0.0
@@ -142,12 +175,13 @@ class StreamScheduler:
 
     def poll(self, timeout: float) -> list[Finished]:
         deadline = time.perf_counter() + timeout
-        while (self.rows or self.queue) and not self.ready:
-            self._admit()
-            if self.rows:
-                self._decode()
-            if time.perf_counter() >= deadline:
-                break
+        with torch.inference_mode():  # no autograd bookkeeping per op; the cache tensors never leave the scheduler
+            while (self.live or self.queue) and not self.ready:
+                self._admit()
+                if self.live:
+                    self._decode()
+                if time.perf_counter() >= deadline:
+                    break
         out, self.ready = self.ready, []
         for f in out:
             self.requests.pop(f.key, None)
@@ -158,7 +192,7 @@ class StreamScheduler:
         if self._work_since is not None:
             capacity += time.perf_counter() - self._work_since
         width = self.limit or self.widest
-        busy = self.busy_s + sum(time.perf_counter() - s.started - s.pause_s for s in self.rows)
+        busy = self.busy_s + sum(time.perf_counter() - s.started - s.pause_s for s in self.rows if s.finish is None)
         return {"busy_seq_s": busy, "capacity_seq_s": capacity * width}
 
     # -- weights --------------------------------------------------------------------------------------
@@ -171,8 +205,12 @@ class StreamScheduler:
             return
         if mode != "keep":
             raise ValueError(f"engine.weights_in_flight={mode!r} must be 'keep' or 'abort'")
-        if not self.rows:
-            return
+        with torch.inference_mode():
+            self._compact()
+            if self.rows:
+                self._reprefill(version)
+
+    def _reprefill(self, version: int) -> None:
         t0 = time.perf_counter()
         for s in self.rows:
             if s.spans[-1][0] != version:  # a reload of the same version continues its span
@@ -192,15 +230,19 @@ class StreamScheduler:
         started = {s.request for s in self.rows}
         started |= {r for r in self.requests.values() if any(s.started is not None for s in r.seqs)}
         started = {r for r in started if r.key in self.requests and not any(f.key == r.key for f in self.ready)}
-        self._drop(started)
+        with torch.inference_mode():
+            self._drop(started)
         self.ready.extend(Finished(key=r.key, aborted=True) for r in started)
 
     # -- scheduling -------------------------------------------------------------------------------------
 
     def _admit(self) -> None:
-        free = len(self.queue) if self.limit is None else min(self.limit - len(self.rows), len(self.queue))
+        free = len(self.queue) if self.limit is None else min(self.limit - self.live, len(self.queue))
         if free <= 0:
             return
+        if self.live and self.limit is not None and free < min(max(1, int(self.limit * ADMIT_FRACTION)), len(self.queue)):
+            return  # a prefill is a forward pass of its own: wait until a few rows are free (module docstring)
+        self._compact()
         new = [self.queue.popleft() for _ in range(free)]
         try:
             prefilled = [(new, *self._prefill([s.request.prompt_ids.long() for s in new]))]
@@ -222,12 +264,15 @@ class StreamScheduler:
             s.started = now
             s.spans.append([self.engine.policy_version, 0, 0])
         self._merge(new, cache, mask)
-        self.widest = max(self.widest, len(self.rows))
+        self.live += len(new)
+        self.widest = max(self.widest, self.live)
         self._sample(new, logits)
-        self._retire()
+        self._retire(new)
 
     def _decode(self) -> None:
         e = self.engine
+        if len(self.rows) - self.live >= max(1, len(self.rows) * COMPACT_FRACTION):
+            self._compact()
         last = torch.tensor([[s.tokens[-1]] for s in self.rows], dtype=torch.long, device=e.device)
         positions = self.mask.sum(-1, keepdim=True)
         self.mask = torch.cat([self.mask, torch.ones_like(last)], dim=1)
@@ -235,10 +280,16 @@ class StreamScheduler:
             out = e.model(input_ids=last, attention_mask=self.mask, position_ids=positions,
                           past_key_values=self.cache, use_cache=True)
         self.cache = out.past_key_values
-        self._sample(self.rows, out.logits[:, -1])
-        self._retire()
+        logits = out.logits[:, -1]
+        if self.live < len(self.rows):  # finished rows still in the cache decode along; nothing is sampled for them
+            running = [i for i, s in enumerate(self.rows) if s.finish is None]
+            seqs = [self.rows[i] for i in running]
+            logits = logits[torch.tensor(running, device=logits.device)]
+        else:
+            seqs = self.rows
+        self._sample(seqs, logits)
+        self._retire(seqs)
 
-    @torch.no_grad()
     def _prefill(self, seqs: list[torch.Tensor]):
         """A fresh cache of ``seqs`` left-padded to one length, their mask and the logits after each."""
         from transformers import DynamicCache
@@ -274,14 +325,24 @@ class StreamScheduler:
         self.rows.extend(new)
 
     def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
+        """One token for each of ``seqs`` (the rows of ``logits``): inverse-CDF draws with each sequence's uniform."""
         c = self.engine.config
-        logp = sampling_logprobs(logits, temperature=c.temperature, top_k=c.top_k, top_p=c.top_p)
-        probs = logp.exp()
+        logp = sampling_logprobs(logits, temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
+                                 suppress_token_ids=self.engine._suppress)
+        cdf = logp.double().exp().cumsum(-1)  # float64: the top of the CDF stays within rounding of 1 for any vocabulary
+        u = torch.tensor([s.uniform() for s in seqs], dtype=torch.float64, device=cdf.device)
+        # the first token whose cumulative probability exceeds u x total (tokens of probability 0 never do)
+        tokens = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+        tokens = tokens.clamp_(max=cdf.shape[-1] - 1)
+        chosen = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        if not bool(torch.isfinite(chosen).all()):  # only a rounding at the very top of a CDF can land past its end
+            bad = ~torch.isfinite(chosen)
+            tokens[bad] = logp[bad].argmax(-1)
+            chosen = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         stops = self.engine.stop_ids
-        for i, s in enumerate(seqs):
-            token = int(torch.multinomial(probs[i], 1, generator=s.generator))
+        for s, token, lp in zip(seqs, tokens.tolist(), chosen.tolist()):
             s.tokens.append(token)
-            s.logprobs.append(float(logp[i, token]))
+            s.logprobs.append(lp)
             s.spans[-1][2] = len(s.tokens)
             n = len(s.tokens)
             if s.target is not None:
@@ -291,24 +352,32 @@ class StreamScheduler:
             elif n >= s.limit:
                 s.finish = "length"
 
-    def _retire(self) -> None:
-        """Drops finished rows from the batch; a request whose last sequence finished goes to ``ready``."""
-        done = [s for s in self.rows if s.finish is not None]
+    def _retire(self, sampled: list[_Seq]) -> None:
+        """Counts the sequences of ``sampled`` that just finished out of the batch (their cache rows stay until the
+        next compaction); a request whose last sequence finished goes to ``ready``."""
+        done = [s for s in sampled if s.finish is not None]
         if not done:
             return
         now = time.perf_counter()
         for s in done:
             self.busy_s += now - s.started - s.pause_s
-        keep = [i for i, s in enumerate(self.rows) if s.finish is None]
-        self._select(keep)
+        self.live -= len(done)
+        if not self.live:
+            self._select([])
         for r in {s.request for s in done}:
             if all(s.finish is not None for s in r.seqs):
                 self.ready.append(Finished(key=r.key, completions=[self._completion(s) for s in r.seqs]))
         self._mark_work(now)
 
+    def _compact(self) -> None:
+        """Drops the finished rows' cache rows."""
+        if self.live < len(self.rows):
+            self._select([i for i, s in enumerate(self.rows) if s.finish is None])
+
     def _select(self, keep: list[int]) -> None:
         """Keeps rows ``keep`` of the batch and trims the left padding every remaining row has."""
         self.rows = [self.rows[i] for i in keep]
+        self.live = sum(s.finish is None for s in self.rows)
         if not self.rows:
             self.cache, self.mask = None, self.mask[:0, :0]
             return
@@ -329,7 +398,7 @@ class StreamScheduler:
         """Removes every sequence of ``requests`` from the batch and the queue (busy time up to now is counted)."""
         now = time.perf_counter()
         for s in self.rows:
-            if s.request in requests:
+            if s.request in requests and s.finish is None:
                 self.busy_s += now - s.started - s.pause_s
         self._select([i for i, s in enumerate(self.rows) if s.request not in requests])
         self.queue = deque(s for s in self.queue if s.request not in requests)
@@ -337,7 +406,7 @@ class StreamScheduler:
 
     def _mark_work(self, now: float) -> None:
         """Opens or closes the capacity interval as the engine gains its first or loses its last sequence."""
-        working = bool(self.rows or self.queue)
+        working = bool(self.live or self.queue)
         if working and self._work_since is None:
             self._work_since = now
         elif not working and self._work_since is not None:
