@@ -125,7 +125,8 @@ SCALARS = (
     "rollouts_per_s", "tokens_per_s", "trainer_idle", "worker_idle", "weight_apply_share", "staleness_mean",
     "staleness_p50", "staleness_p99", "staleness_max", "publish_s", "weight_apply_s", "regenerated_frac",
     "gen_capacity", "train_capacity", "bound", "efficiency", "reward_first", "reward_last", "wall_s",
-    "occupancy", "inflight_pause_p50_s", "inflight_pause_p99_s", "resubmitted_frac",
+    "occupancy", "inflight_pause_p50_s", "inflight_pause_p99_s", "resubmitted_frac", "leases_held",
+    "train_s_per_token", "load_avg_1m",
 )
 
 HEARTBEAT_S = 0.5
@@ -162,7 +163,7 @@ def _worker_deltas(base: dict[str, Any], last: dict[str, Any]) -> dict[str, floa
     """Summed growth of each worker counter between two pipeline snapshots (a worker absent from the base
     started inside the window: all of its counters count)."""
     out = {k: 0.0 for k in ("busy_s", "uptime_s", "weight_apply_s", "rollouts_sent", "tokens_generated",
-                            "busy_seq_s", "capacity_seq_s", "groups_resubmitted")}
+                            "busy_seq_s", "capacity_seq_s", "groups_resubmitted", "leases_held_s")}
     updates = []
     for wid, now in last["workers"].items():
         before = base["workers"].get(wid, {})
@@ -181,7 +182,7 @@ def _worker_deltas(base: dict[str, Any], last: dict[str, Any]) -> dict[str, floa
 
 _TIMES = ("time", "step_s", "wait_s", "train_s", "publish_s")
 _WORKER_TIMES = ("busy_s", "uptime_s", "weight_apply_s", "busy_seq_s", "capacity_seq_s", "inflight_pause_p50_s",
-                 "inflight_pause_p99_s")
+                 "inflight_pause_p99_s", "leases_held_s")
 
 
 def modelled_time(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -260,6 +261,11 @@ def analyze(rows: list[dict[str, Any]], *, warmup: int, group_size: int) -> dict
         "inflight_pause_p50_s": w["inflight_pause_p50_s"],
         "inflight_pause_p99_s": w["inflight_pause_p99_s"],
         "resubmitted_frac": w["groups_resubmitted"] / (n_rollouts / group_size),
+        # streaming workers: mean leases held per worker (in the engine or waiting for weights), to set against
+        # worker.slots and the staleness window ((k + 1) x batch_size per rank, leased or buffered)
+        "leases_held": _ratio(w["leases_held_s"], w["uptime_s"]) if w["leases_held_s"] else None,
+        "train_s_per_token": _ratio(sum(r["train_s"] for r in timed), n_tokens),
+        "load_avg_1m": None,  # the sweep fills it in (the machine's load when the run ended)
         "staleness_hist": hist,
         "reward_series": [[round(r["time"] - start, 3), r["reward_mean"]] for r in rows],
         "calibration": {
@@ -535,25 +541,31 @@ def _group_size(config_json: Path, default: int) -> int:
     return default
 
 
-def sweep(args: argparse.Namespace, run_point: RunPoint, group_size: int, work_dir: Path,
-          loop: str = "static") -> list[dict[str, Any]]:
-    """Every (max_staleness, workers) point, ``--repeats`` times (repeat-major, so slow drift in the machine's
-    load spreads over all points), analysed and summarised; each point says its workers' ``loop``."""
+def sweep(args: argparse.Namespace, runners: dict[str, RunPoint], group_size: int,
+          work_dir: Path) -> list[dict[str, Any]]:
+    """Every (max_staleness, workers) point of every loop, ``--repeats`` times, analysed and summarised; each point
+    says its workers' ``loop``. Interleaved: repeat-major, then point by point, and at each point every loop in turn
+    (static, then streaming), so slow drift in the machine's load (other jobs on shared cores) falls on both loops
+    of a comparison alike; each run records the 1-minute load average when it ended (``load_avg_1m``). The static
+    runs' dirs are ``work_dir/k{k}-w{w}-r{rep}``, the others' ``work_dir/{loop}/...``."""
     from tqdm import tqdm
 
     grid = [(k, w) for w in args.workers for k in args.staleness]
-    runs: dict[tuple[int, int], list[dict[str, Any]]] = {p: [] for p in grid}
-    with tqdm(total=len(grid) * args.repeats, desc=f"freshness {args.mode} {loop}", unit="point",
+    runs: dict[str, dict[tuple[int, int], list[dict[str, Any]]]] = {loop: {p: [] for p in grid} for loop in runners}
+    with tqdm(total=len(grid) * args.repeats * len(runners), desc=f"freshness {args.mode}", unit="run",
               disable=not sys.stderr.isatty()) as bar:
         for rep in range(args.repeats):
             for k, w in grid:
-                bar.set_postfix(k=k, workers=w, repeat=rep)
-                run_dir = work_dir / f"k{k}-w{w}-r{rep}"
-                path = run_dir / "metrics.jsonl" if args.reanalyze else run_point(k, w, rep, run_dir)
-                size = _group_size(path.parent / "config.json", group_size)
-                runs[(k, w)].append(analyze(read_metrics(path), warmup=args.warmup, group_size=size))
-                bar.update()
-    return [p | {"loop": loop} for p in summarize(runs)]
+                for loop, run_point in runners.items():
+                    bar.set_postfix(k=k, workers=w, repeat=rep, loop=loop)
+                    run_dir = (work_dir if loop == "static" else work_dir / loop) / f"k{k}-w{w}-r{rep}"
+                    path = run_dir / "metrics.jsonl" if args.reanalyze else run_point(k, w, rep, run_dir)
+                    size = _group_size(path.parent / "config.json", group_size)
+                    result = analyze(read_metrics(path), warmup=args.warmup, group_size=size)
+                    result["load_avg_1m"] = None if args.reanalyze else os.getloadavg()[0]
+                    runs[loop][(k, w)].append(result)
+                    bar.update()
+    return [p | {"loop": loop} for loop, by_point in runs.items() for p in summarize(by_point)]
 
 
 def loop_comparison(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -566,28 +578,43 @@ def loop_comparison(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if p["loop"] != "streaming" or ref is None:
             continue
         m, r = ({k: v["median"] for k, v in q["metrics"].items()} for q in (p, ref))
+        both = {name: {"static": r.get(name), "streaming": m.get(name)} for name in (
+            "occupancy", "staleness_mean", "regenerated_frac", "trainer_idle", "worker_idle", "gen_capacity",
+            "train_capacity", "train_s_per_token", "load_avg_1m")}
         out.append({"max_staleness": p["max_staleness"], "workers": p["workers"],
                     "rollouts_per_s": {"static": r["rollouts_per_s"], "streaming": m["rollouts_per_s"]},
                     "streaming_over_static": _ratio(m["rollouts_per_s"], r["rollouts_per_s"]),
-                    "occupancy": {"static": r["occupancy"], "streaming": m["occupancy"]},
-                    "staleness_mean": {"static": r["staleness_mean"], "streaming": m["staleness_mean"]},
-                    "regenerated_frac": {"static": r["regenerated_frac"], "streaming": m["regenerated_frac"]},
+                    # the repeats' own ratios (each streaming run against the static run just before it)
+                    "streaming_over_static_paired": _stats(
+                        a["rollouts_per_s"] / b["rollouts_per_s"] for a, b in zip(p.get("repeats", ()),
+                                                                                   ref.get("repeats", ()))),
+                    **both,
                     "inflight_pause_s": {"p50": m["inflight_pause_p50_s"], "p99": m["inflight_pause_p99_s"]},
-                    "resubmitted_frac": m["resubmitted_frac"]})
+                    "resubmitted_frac": m["resubmitted_frac"],
+                    "leases_held": m.get("leases_held")})
     return out
 
 
 def comparison_table(rows: list[dict[str, Any]]) -> str:
+    """One line per (k, w): rollouts/s of both loops and their ratio, occupancy, the in-flight pause, regenerated
+    groups, trainer idle (the window or generation binds when high), the streaming workers' mean leases held, and
+    the load average at the end of each loop's run."""
     head = (f"{'k':>3} {'w':>3} {'static r/s':>10} {'stream r/s':>10} {'ratio':>6} {'occ static':>10} "
-            f"{'occ stream':>10} {'pause p50/p99 s':>16} {'regen st/str':>13}")
+            f"{'occ stream':>10} {'pause p50/p99 s':>16} {'regen st/str':>13} {'tr.idle st/str':>14} {'leases':>6} "
+            f"{'load st/str':>11}")
     lines = [head, "-" * len(head)]
+
+    def pair(c: dict[str, Any], name: str, spec: str) -> str:
+        v = c.get(name) or {}
+        return f"{_fmt(v.get('static'), spec)}/{_fmt(v.get('streaming'), spec)}"
+
     for c in rows:
         pause = f"{_fmt(c['inflight_pause_s']['p50'], '.3f')}/{_fmt(c['inflight_pause_s']['p99'], '.3f')}"
-        regen = f"{_fmt(c['regenerated_frac']['static'], '.2f')}/{_fmt(c['regenerated_frac']['streaming'], '.2f')}"
         lines.append(f"{c['max_staleness']:>3} {c['workers']:>3} {_fmt(c['rollouts_per_s']['static'], '10.2f')} "
                      f"{_fmt(c['rollouts_per_s']['streaming'], '10.2f')} {_fmt(c['streaming_over_static'], '5.2f')}x "
                      f"{_fmt(c['occupancy']['static'], '10.2f')} {_fmt(c['occupancy']['streaming'], '10.2f')} "
-                     f"{pause:>16} {regen:>13}")
+                     f"{pause:>16} {pair(c, 'regenerated_frac', '.2f'):>13} {pair(c, 'trainer_idle', '.2f'):>14} "
+                     f"{_fmt(c.get('leases_held'), '6.1f')} {pair(c, 'load_avg_1m', '.1f'):>11}")
     return "\n".join(lines)
 
 
@@ -837,9 +864,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="freshness-") as tmp:
         work = args.keep_runs or Path(tmp)
-        points = []
-        for loop, run_point in runners.items():  # the static points' run dirs stay where they always were
-            points += sweep(args, run_point, shape["group_size"], work if loop == "static" else work / loop, loop)
+        points = sweep(args, runners, shape["group_size"], work)
     comparison = loop_comparison(points)
     result = {
         "benchmark": "freshness",

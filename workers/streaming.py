@@ -14,7 +14,10 @@ finished, async ones concurrently), in ``engine.apply_weights`` (the in-flight p
 ``inflight_pause_p50_s``/``_p99_s``) and, with nothing in flight and nothing to admit, in ``take_leases`` (0.5 s).
 It never waits for one request to finish another: up to ``worker.slots`` leases' requests are inside the engine
 at once; a slot freed by a finished group is refilled with the next lease at once (the pool grants a streaming
-worker every free credit, not in halves: ``streaming`` in HELLO).
+worker every free credit, not in halves: ``streaming`` in HELLO). How full the slots are is in the status:
+``leases_held_s`` integrates the leases held (in the engine or waiting for weights) over time, so its growth over
+the growth of ``uptime_s`` is the mean number held; below ``slots`` the pool did not grant more (its ``capacity``,
+or the staleness window: ``(max_staleness + 1) x batch_size`` groups leased or buffered per trainer rank).
 
 Version fencing is the engine's: every token carries the version of the weights that produced it
 (``Completion.version_spans``), a rollout's ``policy_version`` is its oldest token's, and the pool judges
@@ -86,6 +89,8 @@ class StreamingLoop:
         """Leases waiting for weights of their version/incarnation (deadline: ``catch_up_s`` after arrival)."""
         self._keys = itertools.count()
         self._last_report = 0.0
+        self.leases_held_s = 0.0
+        """Leases held (in flight or waiting) integrated over time: status ``leases_held_s``."""
 
     def run(self) -> None:
         w = self.w
@@ -109,8 +114,10 @@ class StreamingLoop:
                 self._lost()
             elif self.waiting:
                 time.sleep(ADMIT_POLL_S)  # nothing decoding: only weights for a waiting lease can change things
+            dt = time.perf_counter() - t0
+            self.leases_held_s += (len(self.in_flight) + len(self.waiting)) * dt
             if busy:
-                w.busy_s += time.perf_counter() - t0
+                w.busy_s += dt
             if time.perf_counter() - self._last_report > REPORT_S:
                 self._last_report = time.perf_counter()
                 w._report()
