@@ -4,8 +4,8 @@ The broadcaster and its receivers share one directory (by default a fresh one un
 files live in RAM)::
 
     {token}-slot{0,1}-{gen}.seg   two persistent segments per weight layout (double buffering): a header
-                                  [magic, publish, buckets, written, state, checksum per bucket] then the
-                                  buckets back to back from ``data_offset``
+                                  [magic, publish, buckets, written, state, progress, checksum per bucket]
+                                  then the buckets back to back from ``data_offset``
     latest.json                   the newest version: {format, publish, segment, data_offset, version,
                                   incarnation, mode, lora_config, nbytes, buckets}; replaced atomically
     committed-{receiver}.json     {receiver_id, version, pid, time}: phase two, written by each receiver
@@ -28,7 +28,9 @@ the engine loads from them (HF: ``param.copy_(view)``), with no copy in between.
 weights attached (``weights.shadow``, :mod:`asyncrl.weights.shadow`) the receiver instead copies bucket ``i``
 into the shadow with the verification fused into that copy, while ``i + 1`` is written, drops its hold on the
 slot once the last bucket is in, and stages the shadow: the engine swaps it in at commit, with no copy on the
-critical path. A shadow still held by an earlier version (staged or being applied) is never written: that
+critical path. Inside a bucket it trails the broadcaster by a piece: the broadcaster stores the header's
+``progress`` (MiB of the data area that are final) after every 1 MiB it writes, and the receiver copies up to it,
+so a bucket as large as an embedding is not copied only after it is complete. A shadow still held by an earlier version (staged or being applied) is never written: that
 version is staged as views instead (counted ``shadow_busy``). (The two stores rely on
 the store order of x86 and of the Linux memory model for shared mappings between processes on one
 machine; ARM would need a fence.)
@@ -64,7 +66,7 @@ import orjson
 import torch
 
 from asyncrl.codec import DecodeError
-from asyncrl.weights._checksum import checksum, fill_bucket, scatter_bucket
+from asyncrl.weights._checksum import BucketScatter, checksum, fill_bucket
 from asyncrl.weights._receiver import StagedReceiver
 from asyncrl.weights._staging import check_publish, check_receiver_id, unpack_bucket
 from asyncrl.weights.base import Bucket, WeightBroadcaster, WeightMode, WeightSyncError, WeightUpdate, plan_buckets
@@ -77,7 +79,7 @@ logger = logging.getLogger(__name__)
 FORMAT = 2
 LATEST = "latest.json"
 MAGIC = 0x4745_5357_4C52_5341  # b"ASRLWSEG", little-endian
-_HEADER = struct.Struct("<QQIIII")  # magic, publish, buckets, written, state, reserved
+_HEADER = struct.Struct("<QQIIII")  # magic, publish, buckets, written, state, progress (MiB of data final)
 _CHECKSUM = struct.Struct("<Q")
 EMPTY, WRITING, COMPLETE, FAILED = 0, 1, 2, 3
 PAGE = 4096
@@ -150,6 +152,10 @@ class _Segment:
         _CHECKSUM.pack_into(self.mm, _HEADER.size + _CHECKSUM.size * index, value)
         struct.pack_into("<I", self.mm, 20, index + 1)  # after the checksum: a reader sees both or neither
 
+    def progress(self, nbytes: int) -> None:
+        """The first ``nbytes`` of the data area are final (after the bytes: a reader that sees it sees them)."""
+        struct.pack_into("<I", self.mm, 28, nbytes >> 20)
+
     def finish(self, state: int) -> None:
         struct.pack_into("<I", self.mm, 24, state)
 
@@ -204,6 +210,8 @@ class ShmWeightBroadcaster(WeightBroadcaster):
         self._layout: tuple[int, ...] | None = None
         self._slots: list[_Segment] = []
         self._next_slot = 0
+        self._progress: Any = None
+        """(Under ``_lock``, while publishing.) Stores the header's progress for the bucket being written."""
         self._counters: dict[str, float] = {"versions_published": 0, "segments_created": 0, "slot_waits": 0,
                                             "slot_wait_s": 0.0, "slots_replaced": 0}
         self._finalizer = weakref.finalize(self, _cleanup, str(self.directory), owned, self._slots)
@@ -239,6 +247,7 @@ class ShmWeightBroadcaster(WeightBroadcaster):
             try:
                 offset = 0
                 for b in buckets:
+                    self._progress = lambda n, o=offset: seg.progress(o + n)
                     seg.written(b.index, self._fill(b, tensors, seg.bucket(offset, b.nbytes)))
                     offset += b.nbytes
             except BaseException:
@@ -254,7 +263,7 @@ class ShmWeightBroadcaster(WeightBroadcaster):
     def _fill(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], out: torch.Tensor) -> int:
         """Copies one bucket into the slot and returns its checksum (the per-bucket write; tests that corrupt
         a bucket after its checksum override this)."""
-        return fill_bucket(bucket, tensors, out)
+        return fill_bucket(bucket, tensors, out, self._progress)
 
     def _claim(self, layout: tuple[int, ...]) -> _Segment:
         """(Under ``_lock``.) The slot for the next version, exclusively locked: no receiver reads it."""
@@ -541,15 +550,26 @@ class ShmWeightReceiver(StagedReceiver):
     def _read_buckets(self, mapping: _Mapping, info: dict[str, Any], key: tuple[int, int, int] | None,
                       shadow: dict[str, torch.Tensor] | None = None) -> bool:
         """Verifies every bucket as the broadcaster writes it, in place or (``shadow``) fused with its copy into the
-        shadow's tensors; False (counted) on any failure."""
+        shadow's tensors; False (counted) on any failure. Into a shadow, the bytes of the bucket being written are
+        copied as the header's progress reports them final, so a large bucket (a big tensor) is not copied only
+        after the broadcaster finished it."""
         m: Manifest = info["manifest"]
-        offset, last_progress = info["data_offset"], time.monotonic()
+        start = info["data_offset"]
+        offset, last_progress = start, time.monotonic()
         for b in m.buckets:
+            data = mapping.buf[offset : offset + b.nbytes]
+            scatter = None if shadow is None else BucketScatter(b, data, shadow)
             while True:
-                _, _, _, written, state, _ = _HEADER.unpack_from(mapping.mm, 0)
+                _, _, _, written, state, progress = _HEADER.unpack_from(mapping.mm, 0)
                 if written > b.index:
                     break
                 now = time.monotonic()
+                if scatter is not None and (progress << 20) - (offset - start) > scatter.done and not self._stop.is_set():
+                    before = scatter.done
+                    scatter.advance((progress << 20) - (offset - start))
+                    self._staging.count("bytes_streamed", scatter.done - before)
+                    last_progress = now
+                    continue
                 if state == FAILED or self._stop.is_set() or now - last_progress > self.timeout_s:
                     if not self._stop.is_set():
                         why = ("failed while publishing it" if state == FAILED
@@ -564,8 +584,7 @@ class ShmWeightReceiver(StagedReceiver):
             if b.index and self._newer_than(key):  # a newer version: no point verifying this one further
                 return self._abandon(m.version)
             (want,) = _CHECKSUM.unpack_from(mapping.mm, _HEADER.size + _CHECKSUM.size * b.index)
-            data = mapping.buf[offset : offset + b.nbytes]
-            got = self._verify_bucket(b, data) if shadow is None else self._scatter_bucket(b, data, shadow)
+            got = self._verify_bucket(b, data) if scatter is None else self._scatter_bucket(b, data, shadow, scatter)
             if got != want:
                 self._staging.count("checksum_mismatches")
                 self._fail(m.version, f"checksum mismatch in bucket {b.index} of version {m.version}: "
@@ -580,9 +599,12 @@ class ShmWeightReceiver(StagedReceiver):
         """The checksum of one bucket's bytes in the segment (the per-bucket receive step; a test slows it down)."""
         return checksum(memoryview(data.numpy()))
 
-    def _scatter_bucket(self, bucket: Bucket, data: torch.Tensor, shadow: dict[str, torch.Tensor]) -> int:
-        """Copies one bucket into the shadow, returning the checksum of what landed (a test slows it down)."""
-        return scatter_bucket(bucket, data, shadow)
+    def _scatter_bucket(self, bucket: Bucket, data: torch.Tensor, shadow: dict[str, torch.Tensor],
+                        scatter: BucketScatter) -> int:
+        """Copies the rest of one written bucket into the shadow, returning the checksum of what landed (the
+        per-bucket step into a shadow; a test slows it down)."""
+        scatter.advance(bucket.nbytes)
+        return scatter.digest()
 
     def _abandon(self, version: int) -> bool:
         self._staging.count("abandoned")

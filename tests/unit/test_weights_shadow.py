@@ -20,7 +20,7 @@ from asyncrl.weights import setup_weight_broadcaster, setup_weight_receiver
 from asyncrl.weights.shadow import ShadowWeights
 from asyncrl.weights.shm_weights import ShmWeightReceiver
 from asyncrl.weights.verify import WeightVerifier, tensor_checksum
-from tests.weights_utils import corrupt_next
+from asyncrl.weights._checksum import fill_bucket
 
 WAIT_S = 20.0
 KB = 1024
@@ -45,6 +45,22 @@ def engine_tensors() -> dict[str, torch.Tensor]:
 def same(live: dict[str, torch.Tensor], version: int) -> bool:
     want = weights(version)
     return all(tensor_checksum(live[k]) == tensor_checksum(want[k]) for k in want)
+
+
+def corrupt_checksum_of(b, bucket_index: int) -> None:
+    """The next version ``b`` publishes stores a wrong checksum for one bucket: its bytes never verify. (Not a byte
+    flipped after the write, as ``tests.weights_utils.corrupt_next`` does: a shadow receiver may have copied that
+    byte before the flip, and then holds exactly what was published.)"""
+    real = b._fill
+
+    def fill(bucket, tensors, out):
+        value = real(bucket, tensors, out)
+        if bucket.index == bucket_index:
+            b._fill = real
+            return value ^ 1
+        return value
+
+    b._fill = fill
 
 
 def until(check, what: str) -> None:
@@ -94,7 +110,7 @@ def test_a_corrupted_bucket_is_never_swapped_in(channel):
     u1 = r.wait(1, WAIT_S)
     shadow.swap_into(live, u1)
     r.commit(1)
-    corrupt_next(b, 3)
+    corrupt_checksum_of(b, 3)
     b.publish(weights(2), 2)
     until(lambda: r.stats().get("checksum_mismatches", 0) >= 1, "the mismatch")
     assert r.poll() is None and r.stats()["committed_version"] == 1
@@ -134,6 +150,33 @@ def test_a_held_shadow_is_not_written_while_the_next_version_arrives(channel):
     assert shadow.holds(u3) and shadow.swap_into(live, u3)
     r.commit(3)
     assert same(live, 3)
+
+
+def test_a_large_bucket_is_copied_while_it_is_written():
+    """A tensor larger than a bucket is a bucket of its own: the receiver copies its first MiBs into the shadow while
+    the broadcaster still writes the rest (the header's progress), and the result is bit for bit the published."""
+    b = setup_weight_broadcaster("shm", bucket_bytes=16 * KB)
+    big = {"big": torch.arange(8 << 20, dtype=torch.int32)}  # 32 MiB: one bucket, 32 pieces
+    live = {"big": torch.zeros(8 << 20, dtype=torch.int32)}
+    shadow = ShadowWeights(live)
+    r2 = setup_weight_receiver("shm", b.address, receiver_id="r2")
+    r2.attach_shadow(shadow)
+    r2.start()
+
+    def slow_fill(bucket, tensors, out):  # the trainer writes a piece every 10 ms
+        report = b._progress
+        return fill_bucket(bucket, tensors, out, lambda n: (report(n), time.sleep(0.01)))
+
+    b._fill = slow_fill
+    try:
+        b.publish(big, 1)
+        update = r2.wait(1, WAIT_S)
+        assert update is not None and shadow.swap_into(live, update)
+        assert torch.equal(live["big"], big["big"])
+        assert 0 < r2.stats()["bytes_streamed"] <= 32 << 20, r2.stats()
+    finally:
+        r2.close()
+        b.close()
 
 
 def test_a_fill_overtaken_by_newer_versions_stages_only_the_newest(channel, monkeypatch):
