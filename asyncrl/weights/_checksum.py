@@ -132,8 +132,7 @@ class BucketScatter:
             if end <= self.done:  # overlapping slots (never planned; the checksum then fails): nothing left here
                 self._part += 1
                 continue
-            if self.done < start:  # an overlap of slots left a gap already covered: skip to this part
-                self.done = start
+            self.done = max(self.done, start)  # a guard: the parts are contiguous
             stop = min(end, upto)
             if dst is None:
                 _hash(self._h, self._src[self.done : stop])

@@ -8,7 +8,8 @@ broadcaster writing the next bucket; at the safe point the engine swaps shadow a
 tensor (``tensor.data`` exchange: the module keeps its ``Parameter`` objects, hooks and ties)::
 
     receiver I/O thread:  acquire()  FREE -> FILLING     (busy: this version is staged as views, as without a shadow)
-                          bucket i published -> scatter_bucket(slot bytes -> shadow tensors, fused xxh3) -> compare
+                          bucket i's bytes final (the header's progress, per MiB) -> BucketScatter.advance
+                                (slot bytes -> shadow tensors, xxh3 fused); bucket i published -> compare checksums
                           all buckets verified -> finish()  FILLING -> HELD    -> staged WeightUpdate over the shadow
                           any failure, a newer version, close -> abort()  FILLING -> FREE   (nothing staged)
     worker main thread:   engine.apply_weights(update) -> swap_into(live, update)   (HELD: live <-> shadow)

@@ -17,10 +17,10 @@ import torch
 
 from asyncrl.config import EngineConfig, WeightSyncConfig
 from asyncrl.weights import setup_weight_broadcaster, setup_weight_receiver
+from asyncrl.weights._checksum import fill_bucket
 from asyncrl.weights.shadow import ShadowWeights
 from asyncrl.weights.shm_weights import ShmWeightReceiver
 from asyncrl.weights.verify import WeightVerifier, tensor_checksum
-from asyncrl.weights._checksum import fill_bucket
 
 WAIT_S = 20.0
 KB = 1024
@@ -180,7 +180,7 @@ def test_a_large_bucket_is_copied_while_it_is_written():
 
 
 def test_a_fill_overtaken_by_newer_versions_stages_only_the_newest(channel, monkeypatch):
-    b, r, live, shadow = channel
+    b, r, _, shadow = channel
     real = ShmWeightReceiver._scatter_bucket
 
     def slow(self, *args):
@@ -210,7 +210,7 @@ def test_closing_the_receiver_mid_fill_frees_the_shadow_and_leaves_the_engine(ch
 
 
 def test_versions_the_shadow_cannot_take_go_through_views(channel):
-    b, r, live, shadow = channel
+    b, r, _, shadow = channel
     other = {k: (t.double() if k == "w0" else t) for k, t in weights(1).items()}
     b.publish(other, 1)
     u1 = r.wait(1, WAIT_S)
