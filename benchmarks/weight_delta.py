@@ -178,7 +178,7 @@ def _settled(b, timeout: float = 1.0) -> dict[str, Any]:
 
 def zmq_section(before: dict, after: dict, *, delta: bool, repeats: int, bucket_bytes: int,
                 delta_threads: int = 1) -> dict[str, Any]:
-    versions = repeats + 1
+    versions = repeats + 2
     b = setup_weight_broadcaster("zmq", bucket_bytes=bucket_bytes, delta=delta,
                                  **({"delta_threads": delta_threads} if delta else {}))
     ctx = mp.get_context("spawn")
@@ -187,7 +187,7 @@ def zmq_section(before: dict, after: dict, *, delta: bool, repeats: int, bucket_
     proc.start()
     samples = []
     try:
-        served, receiver_cpu = 0, None
+        served, receiver_cpu, encoded, encoded_cpu, first = 0, None, 0.0, 0.0, {}
         for v in range(1, versions + 1):
             tensors = before if v % 2 else after
             load = os.getloadavg()[0]
@@ -201,20 +201,27 @@ def zmq_section(before: dict, after: dict, *, delta: bool, repeats: int, bucket_
             nbytes, served = stats["bytes_served"] - served, stats["bytes_served"]
             # the receiver's CPU since it staged the previous version: this transfer, its commit and idle ticks
             rcpu, receiver_cpu = (None if receiver_cpu is None else msg[3] - receiver_cpu), msg[3]
-            if v > 1:  # version 1 is every receiver's first copy: full either way
+            # version 1 is every receiver's first copy (full either way), version 2 the first update (one-time costs:
+            # buffers allocated, the delta kernels' first call); they are kept apart
+            if v == 2:
+                first = {"latency_s": msg[2] - t0, "broadcaster_cpu_s": cpu, "receiver_cpu_s": rcpu}
+            if v > 2:
                 samples.append({"version": v, "latency_s": msg[2] - t0, "bytes": nbytes, "loadavg_1m": load,
                                 "broadcaster_cpu_s": cpu, "receiver_cpu_s": rcpu,
-                                "encode_s": stats.get("delta_encode_s", 0.0) - sum(
-                                    x.get("encode_s", 0.0) for x in samples)})
+                                "encode_s": stats.get("delta_encode_s", 0.0) - encoded,
+                                "encode_cpu_s": stats.get("delta_encode_cpu_s", 0.0) - encoded_cpu})
+            encoded, encoded_cpu = stats.get("delta_encode_s", 0.0), stats.get("delta_encode_cpu_s", 0.0)
         _, rstats = q.get(timeout=REPORT_TIMEOUT_S)
         proc.join(timeout=30)
     finally:
         if proc.is_alive():
             proc.kill()
         b.close()
-    keep = ("bytes_served", "delta_bytes", "full_bytes", "buckets_delta", "buckets_full", "delta_encode_s", "deltas_encoded",
+    keep = ("bytes_served", "delta_bytes", "full_bytes", "buckets_delta", "buckets_full", "delta_encode_s",
+            "delta_encode_cpu_s", "delta_encode_errors", "deltas_encoded",
             "deltas_not_smaller", "deltas_base_not_held")
-    return {"delta": delta, "samples": samples, "latency_s": statistics.median(s["latency_s"] for s in samples),
+    return {"delta": delta, "first_update": first, "samples": samples,
+            "latency_s": statistics.median(s["latency_s"] for s in samples),
             "cpu_s": statistics.median(s["broadcaster_cpu_s"] + s["receiver_cpu_s"] for s in samples),
             "bytes": statistics.median(s["bytes"] for s in samples),
             "broadcaster": {k: v for k, v in stats.items() if k in keep},
@@ -285,7 +292,8 @@ def main() -> None:
     p.add_argument("--master", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--bucket-mb", type=int, default=64)
-    p.add_argument("--delta-threads", type=int, default=1, help="the broadcaster's delta encoder threads")
+    p.add_argument("--delta-threads", default="1", help="the broadcaster's delta encoder threads; a list (1,2): "
+                                                          "one delta section each, the first is 'delta'")
     p.add_argument("--densities", action="store_true", help="also the sparse/xor crossover")
     p.add_argument("--no-zmq", action="store_true")
     p.add_argument("--recipe-steps", type=int, default=0, help="> 0: also the tiny recipe with and without deltas")
@@ -310,15 +318,22 @@ def main() -> None:
     if not args.no_zmq:
         kw = {"repeats": args.repeats, "bucket_bytes": bucket_bytes}
         full = zmq_section(before, after, delta=False, **kw)
-        delta = zmq_section(before, after, delta=True, delta_threads=args.delta_threads, **kw)
+        threads = [int(t) for t in str(args.delta_threads).split(",")]
+        deltas = {t: zmq_section(before, after, delta=True, delta_threads=t, **kw) for t in threads}
+        delta = deltas[threads[0]]
         result["zmq"] = {"full": full, "delta": delta, "bytes_ratio": full["bytes"] / max(delta["bytes"], 1),
-                         "speedup": full["latency_s"] / delta["latency_s"], "cpu_ratio": full["cpu_s"] / delta["cpu_s"]}
+                         "speedup": full["latency_s"] / delta["latency_s"], "cpu_ratio": full["cpu_s"] / delta["cpu_s"],
+                         "delta_threads": {t: {"latency_s": d["latency_s"], "cpu_s": d["cpu_s"],
+                                               "speedup": full["latency_s"] / d["latency_s"], "section": d}
+                                           for t, d in deltas.items() if t != threads[0]}}
         z = result["zmq"]
-        loads = [s["loadavg_1m"] for x in (full, delta) for s in x["samples"]]
+        loads = [s["loadavg_1m"] for x in (full, *deltas.values()) for s in x["samples"]]
         print(f"zmq tcp: full {full['bytes'] / 1e6:.1f} MB in {full['latency_s']:.3f} s, delta "
               f"{delta['bytes'] / 1e6:.2f} MB in {delta['latency_s']:.3f} s: {z['bytes_ratio']:.1f}x fewer bytes, "
               f"{z['speedup']:.2f}x faster; CPU s per update (both ends) full {full['cpu_s']:.2f}, delta "
               f"{delta['cpu_s']:.2f} ({z['cpu_ratio']:.2f}x less); load average {min(loads):.1f}-{max(loads):.1f}")
+        for t, d in z["delta_threads"].items():
+            print(f"  delta with {t} encoder threads: {d['latency_s']:.3f} s ({d['speedup']:.2f}x), CPU {d['cpu_s']:.2f} s")
     if args.recipe_steps:
         result["recipe"] = r = recipe_section(args.recipe_steps)
         print(f"tiny recipe: {r['delta=False']['bytes_per_update']:.0f} B per update full, "

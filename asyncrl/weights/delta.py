@@ -25,11 +25,14 @@ the receiver's base, a BUCKET may carry a ``delta`` header with the payload as i
 ``shm_weights``: its receivers verify and load the shared segment in place, so no bytes per receiver
 are there to save.
 
-Who blocks on what: a :class:`DeltaCodec` never blocks and owns reusable zstd contexts and a scratch
-buffer, so each thread that encodes or decodes uses its own codec (the broadcaster's I/O thread, each
-receiver's I/O thread); :class:`DeltaBase` takes a short lock. Encoding costs one compare pass over new
-and base as 8-byte blocks plus zstd of what changed; decoding one copy of the base plus a scatter of
-what changed (sparse), or a zstd decompression and an XOR (xor), then the result's checksum.
+Who blocks on what: a :class:`DeltaCodec` never blocks and owns reusable zstd contexts and scratch
+buffers, so each thread that encodes or decodes uses its own codec (each of the broadcaster's encoder
+threads, each receiver's I/O thread); :class:`DeltaBase` takes a short lock. Encoding costs one compare
+pass over new and base plus zstd of what changed; decoding one copy of the base plus a scatter of what
+changed (sparse), or a zstd decompression and an XOR (xor), then the result's checksum. The compare and
+the scatter run as compiled single-pass kernels (:mod:`asyncrl.weights._delta_kernels`, numba: ~3x the
+vectorised numpy path, which is the fallback without numba and for changes too dense for the kernels'
+scratch) with the same output.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import numpy as np
 import torch
 import zstandard
 
+from asyncrl.weights import _delta_kernels as kernels
 from asyncrl.weights.base import Bucket, bucket_checksum
 
 __all__ = [
@@ -66,6 +70,9 @@ XOR_DENSITY = 0.05
 (``benchmarks/weight_delta.py --densities``): sparse is smaller than xor at every density up to
 50 % for 2- and 4-byte words, and cheaper; xor is the fallback for dense changes."""
 _WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+KERNEL_DENSITY = 1 / 16
+"""The compiled compare keeps scratch for this fraction of a bucket's words changed (6 bytes a changed bf16
+word: 4 MiB for a 64 MiB bucket); above it, encode() goes the numpy way."""
 
 
 class DeltaRefused(ValueError):
@@ -183,6 +190,8 @@ class DeltaCodec:
         self._cctx = zstandard.ZstdCompressor(level=level, threads=threads)
         self._dctx = zstandard.ZstdDecompressor()
         self._scratch = np.empty(0, dtype=np.uint8)
+        self._gaps = np.empty(0, dtype=np.uint32)
+        self._values: dict[int, np.ndarray] = {}
 
     def _xor(self, new: np.ndarray, base: np.ndarray, word: int) -> np.ndarray:
         if self._scratch.nbytes < new.nbytes:
@@ -207,21 +216,37 @@ class DeltaCodec:
         meta: dict[str, Any] = {"base_version": base_version, "base_incarnation": base_incarnation, "word": word,
                                 "nbytes": new.nbytes, "checksum": checksum}
         best: BucketDelta | None = None
-        positions, values = _changed(new, base, word)
-        nwords = new.nbytes // word
-        if positions.size * 2 <= nwords < 2**32:
-            pos = positions.astype(np.uint32)
-            gaps = np.diff(pos, prepend=np.uint32(0))  # the first gap is the first position
-            z_gaps = self._cctx.compress(_shuffle(gaps)) if pos.size else b""
-            z_vals = self._cctx.compress(_shuffle(values)) if pos.size else b""
+        gaps, values = self._changes(new, base, word)
+        nwords, count = new.nbytes // word, values.size
+        if count * 2 <= nwords < 2**32:
+            z_gaps = self._cctx.compress(_shuffle(gaps)) if count else b""
+            z_vals = self._cctx.compress(_shuffle(values)) if count else b""
             payload = np.frombuffer(z_gaps + z_vals, dtype=np.uint8).copy()  # writable: torch.from_numpy
-            best = BucketDelta(encoding="sparse", count=int(pos.size), split=len(z_gaps), payload=payload, **meta)
-        if positions.size > XOR_DENSITY * nwords:
+            best = BucketDelta(encoding="sparse", count=int(count), split=len(z_gaps), payload=payload, **meta)
+        if count > XOR_DENSITY * nwords:
             z = self._cctx.compress(self._xor(new, base, word).view(np.uint8))
             if best is None or len(z) < best.wire_nbytes:
                 best = BucketDelta(encoding="xor", count=0, split=0, payload=np.frombuffer(z, dtype=np.uint8).copy(),
                                    **meta)
         return best if best is not None and best.wire_nbytes < new.nbytes else None
+
+    def _changes(self, new: np.ndarray, base: np.ndarray, word: int) -> tuple[np.ndarray | None, np.ndarray]:
+        """Gaps between the changed words' positions (uint32; the first is the first position; None for a
+        bucket of 2**32 words or more) and their XOR values: the compiled kernel into this codec's scratch,
+        or numpy when it is not available or more than ``KERNEL_DENSITY`` of the words changed."""
+        nwords, wt = new.nbytes // word, _WORDS[word]
+        if nwords < 2**32 and kernels.available():
+            cap = max(int(nwords * KERNEL_DENSITY), 1024)
+            if self._gaps.size < cap:
+                self._gaps = np.empty(cap, dtype=np.uint32)
+            if self._values.get(word, np.empty(0)).size < cap:
+                self._values[word] = np.empty(cap, dtype=wt)
+            k = kernels.changed_gaps(new, base, wt, self._gaps[:cap], self._values[word][:cap])
+            if k >= 0:
+                return self._gaps[:k], self._values[word][:k]
+        positions, values = _changed(new, base, word)
+        gaps = np.diff(positions.astype(np.uint32), prepend=np.uint32(0)) if nwords < 2**32 else None
+        return gaps, values
 
     # -- receiver ------------------------------------------------------------------------------
     def decode(self, delta: BucketDelta, base: np.ndarray, *, base_version: int | None, base_incarnation: str,
@@ -244,10 +269,9 @@ class DeltaCodec:
             raise ValueError(f"out has {out.nbytes} bytes, the delta makes {delta.nbytes}")
         wt = _WORDS[delta.word]
         if delta.encoding == "sparse":
-            positions, values = self._sparse_parts(delta)
+            gaps, values = self._sparse_parts(delta)
             np.copyto(out, base)
-            w = out.view(wt)
-            w[positions] ^= values
+            _scatter_xor(out.view(wt), gaps, values)
         else:
             x = self._decompress(delta.payload, delta.nbytes, "xor payload")
             np.bitwise_xor(base.view(wt), x.view(wt), out=out.view(wt))
@@ -259,19 +283,16 @@ class DeltaCodec:
         return out
 
     def _sparse_parts(self, delta: BucketDelta) -> tuple[np.ndarray, np.ndarray]:
-        n, nwords = delta.count, delta.nbytes // delta.word
+        """The gaps (uint32) and XOR values of a sparse delta, decompressed (not yet checked)."""
+        n = delta.count
         if n == 0:
             if delta.payload.nbytes:
                 raise DeltaRefused("malformed", f"sparse delta of 0 words carries {delta.payload.nbytes} bytes")
-            return np.empty(0, dtype=np.int64), np.empty(0, dtype=_WORDS[delta.word])
+            return np.empty(0, dtype=np.uint32), np.empty(0, dtype=_WORDS[delta.word])
         gaps = _unshuffle(self._decompress(delta.payload[: delta.split], 4 * n, "positions"), np.uint32)
         values = _unshuffle(self._decompress(delta.payload[delta.split :], delta.word * n, "values"),
                             _WORDS[delta.word])
-        positions = np.cumsum(gaps, dtype=np.int64)
-        if n > 1 and gaps[1:].min() == 0 or positions[-1] >= nwords:
-            raise DeltaRefused("malformed", f"sparse delta positions not increasing or beyond the bucket's "
-                                            f"{nwords} words (last {int(positions[-1])})")
-        return positions, values
+        return gaps, values
 
     def _decompress(self, data: np.ndarray, nbytes: int, what: str) -> np.ndarray:
         try:
@@ -281,6 +302,29 @@ class DeltaCodec:
             return np.frombuffer(self._dctx.decompress(data, max_output_size=nbytes), dtype=np.uint8)
         except zstandard.ZstdError as e:
             raise DeltaRefused("malformed", f"delta {what}: {e}") from e
+
+
+def _scatter_xor(words: np.ndarray, gaps: np.ndarray, values: np.ndarray) -> None:
+    """``words[p] ^= value`` at the positions the gaps give (compiled when it can be, else numpy).
+
+    Raises:
+        DeltaRefused: ``malformed``, for positions that do not increase or go beyond ``words`` (``words`` then
+            holds part of the delta).
+    """
+    if not gaps.size:
+        return
+    if kernels.available():
+        bad = kernels.scatter_xor(words, gaps, values)
+        if bad < 0:
+            return
+    else:
+        positions = np.cumsum(gaps, dtype=np.int64)
+        bad = -1 if gaps[1:].min(initial=1) > 0 and positions[-1] < words.size else 0
+        if bad < 0:
+            words[positions] ^= values
+            return
+    raise DeltaRefused("malformed", f"sparse delta positions not increasing or beyond the bucket's {words.size} "
+                                    f"words (at change {bad} of {gaps.size})")
 
 
 # -- the backends' two ends ------------------------------------------------------------------------

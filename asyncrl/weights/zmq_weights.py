@@ -54,6 +54,7 @@ from asyncrl.codec import DecodeError, decode, encode
 from asyncrl.config import TransportConfig
 from asyncrl.transport._curve import allowed_keys, client_secret_key, start_authenticator
 from asyncrl.transport._zmq_util import IOThread, Waker, drain, is_loopback_bind
+from asyncrl.weights import _delta_kernels as delta_kernels
 from asyncrl.weights import protocol as P
 from asyncrl.weights._checksum import fill_bucket
 from asyncrl.weights._delta_encoder import DeltaEncoder
@@ -190,6 +191,8 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
         self._bases: dict[bytes, tuple[int, str]] = {}  # the base each receiver's last GET named (I/O thread)
         self._delta_wanted = False  # some receiver named a base: encode each new bucket at once (eagerly)
         self._encoder = DeltaEncoder(self, threads=delta_threads, on_error=self._encode_failed) if delta else None
+        if self._encoder is not None:  # the delta kernels compile (or load from numba's cache) before any bucket
+            self._encoder.submit(("warm",), delta_kernels.warm)
         self._io = IOThread(self, "asyncrl-weight-broadcaster")
         self._ctx = self._io.ctx
         self._lock = threading.Lock()
@@ -534,7 +537,7 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
         """(Encoder thread.) Encodes bucket ``key[0]`` of ``entry`` against the kept version ``key[1:]`` into
         ``entry.deltas`` (None: serve it full), then wakes the I/O thread for the GETs parked on it."""
         index, base = key[0], key[1:]
-        delta, outcome, t0, reading = None, None, time.perf_counter(), ()
+        delta, outcome, t0, cpu0, reading = None, None, time.perf_counter(), time.thread_time(), ()
         try:
             with self._lock:
                 if key in entry.deltas:
@@ -565,6 +568,7 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
                 entry.deltas.setdefault(key, delta)
                 if outcome is not None:
                     self._counters["delta_encode_s"] += time.perf_counter() - t0
+                    self._counters["delta_encode_cpu_s"] += time.thread_time() - cpu0
                     self._counters[f"deltas_{outcome}"] += 1
             self._wake()
 
@@ -648,6 +652,8 @@ class ZmqWeightReceiver(StagedReceiver):
         self._pool = _BufferPool()
         self._delta_base = DeltaBase() if delta else None
         self._codec = DeltaCodec()  # I/O thread only
+        if delta:  # the delta kernels compile (or load from numba's cache) while the first, full, version arrives
+            threading.Thread(target=delta_kernels.warm, name=f"asyncrl-delta-warm-{receiver_id}", daemon=True).start()
         # I/O thread only:
         self._transfer: _Transfer | None = None
         self._next_want = 0.0
@@ -828,9 +834,10 @@ class ZmqWeightReceiver(StagedReceiver):
             raise DeltaRefused("malformed", f"a delta for bucket {bucket.index} with data of type "
                                             f"{type(data).__name__} (this receiver asked for "
                                             f"{'deltas' if self._delta_base else 'no deltas'})")
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         apply_bucket(self._codec, self._delta_base, bucket, body["delta"], data, checksum=body["checksum"], out=out)
         self._staging.count("delta_decode_s", time.perf_counter() - t0)
+        self._staging.count("delta_decode_cpu_s", time.thread_time() - cpu0)
         self._staging.count("delta_bytes", wire)
         self._staging.count("buckets_delta")
         return body["checksum"]  # apply_bucket verified the result against it

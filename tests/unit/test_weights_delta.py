@@ -200,3 +200,61 @@ def test_encode_apply_through_the_receivers_base():
     with pytest.raises(DeltaRefused) as e:
         apply_bucket(codec, base, b2[0], delta.header(), delta.payload)
     assert e.value.reason == "base_mismatch"
+
+
+def _numpy_only(monkeypatch):
+    from asyncrl.weights import _delta_kernels
+
+    monkeypatch.setattr(_delta_kernels, "available", lambda: False)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(word=st.sampled_from([1, 2, 4, 8]), n=st.integers(0, 3000), fraction=st.sampled_from([0.0, 1e-3, 0.03, 0.1, 0.6]),
+       seed=st.integers(0, 2**16))
+def test_compiled_and_numpy_paths_encode_and_decode_alike(monkeypatch, word, n, fraction, seed):
+    """The compiled kernels and the numpy path make the same payload and rebuild the same bytes, for every word
+    width, sizes not a multiple of 8 bytes and densities past the kernels' scratch (KERNEL_DENSITY)."""
+    from asyncrl.weights import _delta_kernels
+
+    if not _delta_kernels.available():
+        pytest.skip("numba is not installed: only the numpy path exists")
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, n * word, dtype=np.uint8)
+    new = base.copy()
+    changed = rng.random(n * word) < fraction
+    new[changed] ^= rng.integers(1, 256, int(changed.sum()), dtype=np.uint8)
+    kw = {"word": word, "base_version": 1, "base_incarnation": ""}
+    compiled = DeltaCodec().encode(new, base, **kw)
+    with monkeypatch.context() as m:
+        _numpy_only(m)
+        plain = DeltaCodec().encode(new, base, **kw)
+        assert (compiled is None) == (plain is None)
+        if plain is None:
+            return
+        assert compiled.header() == plain.header() and np.array_equal(compiled.payload, plain.payload)
+        out_numpy = DeltaCodec().decode(plain, base, base_version=1, base_incarnation="")
+    out_compiled = DeltaCodec().decode(compiled, base, base_version=1, base_incarnation="")
+    assert np.array_equal(out_numpy, new) and np.array_equal(out_compiled, new)
+
+
+@pytest.mark.parametrize("gaps", [[100], [3, 0], [0, 5, 40]], ids=["beyond", "repeated", "beyond_later"])
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
+def test_bad_positions_are_malformed_on_both_paths(monkeypatch, gaps, compiled):
+    import zstandard
+
+    from asyncrl.weights import _delta_kernels
+
+    if compiled and not _delta_kernels.available():
+        pytest.skip("numba is not installed")
+    if not compiled:
+        _numpy_only(monkeypatch)
+    from asyncrl.weights.delta import _shuffle
+
+    c = zstandard.ZstdCompressor()
+    z = c.compress(_shuffle(np.array(gaps, dtype=np.uint32)).tobytes())
+    z_values = c.compress(_shuffle(np.ones(len(gaps), dtype=np.uint16)).tobytes())
+    d = BucketDelta(encoding="sparse", base_version=1, base_incarnation="", word=2, nbytes=64, checksum=0,
+                    count=len(gaps), split=len(z), payload=np.frombuffer(z + z_values, dtype=np.uint8))
+    with pytest.raises(DeltaRefused, match="not increasing or beyond") as e:
+        DeltaCodec().decode(d, np.zeros(64, dtype=np.uint8), base_version=1, base_incarnation="")
+    assert e.value.reason == "malformed"
