@@ -4,8 +4,9 @@ Why: the vectorised numpy encode makes five passes (compare, nonzero, gather, th
 changed 8-byte blocks, gaps) and runs at ~1.2 GB/s a core, the decode's scatter at ~6 GB/s; over
 loopback a full bucket costs about as much CPU, so deltas could not be faster there. These kernels do
 the compare, the positions and the gaps in one pass over the two buffers (~4 GB/s here, memory-bound)
-and the scatter with its bounds checks in one pass over the changes. They produce exactly what the
-numpy path produces (tests compare them), so either end may use either.
+and the scatter with its bounds checks in one pass over the changes, reading the gaps and values in the
+byte planes they travel in (un-shuffling them first cost as much as the scatter). They produce exactly
+what the numpy path produces (tests compare them), so either end may use either.
 
 numba is imported, and the kernels compiled, at the first call (``available()``; ~1.5 s each, cached on
 disk under numba's cache directory after that, holding the GIL while it compiles); without numba, or
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["available", "changed_gaps", "scatter_xor", "warm"]
+__all__ = ["available", "changed_gaps", "scatter_planes", "warm"]
 
 _lock = threading.Lock()
 _kernels: dict[str, Any] | None = None
@@ -67,19 +68,29 @@ def _compile() -> dict[str, Any]:
         return k
 
     @jit
-    def scatter(out, gaps, vals):  # returns the index of the first bad gap, or -1
-        p, n = 0, out.size
-        for k in range(gaps.size):
-            g = gaps[k]
+    def scatter_planes(out, gp, vp):  # gaps and values as byte planes (rows), as they travel; unrolled by width
+        p, n, vb = np.uint64(0), out.size, vp.shape[0]
+        s8, s16, s24 = np.uint64(8), np.uint64(16), np.uint64(24)
+        for k in range(gp.shape[1]):
+            g = (np.uint64(gp[0, k]) | (np.uint64(gp[1, k]) << s8) | (np.uint64(gp[2, k]) << s16)
+                 | (np.uint64(gp[3, k]) << s24))
             if k > 0 and g == 0:
                 return k
             p += g
             if p >= n:
                 return k
-            out[p] ^= vals[k]
+            v = np.uint64(vp[0, k])
+            if vb >= 2:
+                v |= np.uint64(vp[1, k]) << s8
+            if vb >= 4:
+                v |= (np.uint64(vp[2, k]) << s16) | (np.uint64(vp[3, k]) << s24)
+            if vb == 8:
+                v |= ((np.uint64(vp[4, k]) << np.uint64(32)) | (np.uint64(vp[5, k]) << np.uint64(40))
+                      | (np.uint64(vp[6, k]) << np.uint64(48)) | (np.uint64(vp[7, k]) << np.uint64(56)))
+            out[p] ^= v
         return -1
 
-    return {"blocks": blocks, "words": words, "scatter": scatter}
+    return {"blocks": blocks, "words": words, "scatter_planes": scatter_planes}
 
 
 def available() -> bool:
@@ -110,7 +121,7 @@ def warm() -> None:
         changed_gaps(data, data.copy(), dtype, gaps, values)
         changed_gaps(data[:8 + np.dtype(dtype).itemsize], data[:8 + np.dtype(dtype).itemsize].copy(), dtype, gaps,
                      values)  # not a multiple of 8 bytes (uint8: 9): the words kernel
-        scatter_xor(data.view(dtype), gaps[:1], values[:1])
+        scatter_planes(data.view(dtype), np.zeros((4, 1), np.uint8), np.zeros((np.dtype(dtype).itemsize, 1), np.uint8))
 
 
 def changed_gaps(new: np.ndarray, base: np.ndarray, word_dtype: type, gaps: np.ndarray, values: np.ndarray) -> int:
@@ -125,8 +136,10 @@ def changed_gaps(new: np.ndarray, base: np.ndarray, word_dtype: type, gaps: np.n
     return int(_kernels["words"](new.view(word_dtype), base.view(word_dtype), gaps, values))
 
 
-def scatter_xor(out_words: np.ndarray, gaps: np.ndarray, values: np.ndarray) -> int:
-    """``out_words[p] ^= values[k]`` at the positions the gaps give; returns -1, or the index of the first gap
-    that is 0 after the first or leads beyond ``out_words`` (what came before it was applied)."""
+def scatter_planes(out_words: np.ndarray, gap_planes: np.ndarray, value_planes: np.ndarray) -> int:
+    """``out_words[p] ^= value`` at the positions the gaps give, the gaps and values given as their byte planes
+    (uint8 arrays of shape ``(itemsize, count)``, least significant byte first: the byte-shuffled form they travel
+    in), read in place. Returns -1, or the index of the first gap that is 0 after the first or leads beyond
+    ``out_words`` (what came before it was applied)."""
     assert _kernels is not None
-    return int(_kernels["scatter"](out_words, gaps, values))
+    return int(_kernels["scatter_planes"](out_words, gap_planes, value_planes))

@@ -269,9 +269,7 @@ class DeltaCodec:
             raise ValueError(f"out has {out.nbytes} bytes, the delta makes {delta.nbytes}")
         wt = _WORDS[delta.word]
         if delta.encoding == "sparse":
-            gaps, values = self._sparse_parts(delta)
-            np.copyto(out, base)
-            _scatter_xor(out.view(wt), gaps, values)
+            self._apply_sparse(delta, base, out.view(wt))
         else:
             x = self._decompress(delta.payload, delta.nbytes, "xor payload")
             np.bitwise_xor(base.view(wt), x.view(wt), out=out.view(wt))
@@ -282,17 +280,24 @@ class DeltaCodec:
                                                     "(the base bytes differ)")
         return out
 
-    def _sparse_parts(self, delta: BucketDelta) -> tuple[np.ndarray, np.ndarray]:
-        """The gaps (uint32) and XOR values of a sparse delta, decompressed (not yet checked)."""
+    def _apply_sparse(self, delta: BucketDelta, base: np.ndarray, out_words: np.ndarray) -> None:
+        """``out = base``, then the sparse delta's XOR values scattered in (the compiled kernel reads the gaps and
+        values as the byte planes they travel in; numpy un-shuffles them first)."""
         n = delta.count
-        if n == 0:
-            if delta.payload.nbytes:
-                raise DeltaRefused("malformed", f"sparse delta of 0 words carries {delta.payload.nbytes} bytes")
-            return np.empty(0, dtype=np.uint32), np.empty(0, dtype=_WORDS[delta.word])
-        gaps = _unshuffle(self._decompress(delta.payload[: delta.split], 4 * n, "positions"), np.uint32)
-        values = _unshuffle(self._decompress(delta.payload[delta.split :], delta.word * n, "values"),
-                            _WORDS[delta.word])
-        return gaps, values
+        if n == 0 and delta.payload.nbytes:
+            raise DeltaRefused("malformed", f"sparse delta of 0 words carries {delta.payload.nbytes} bytes")
+        gaps = self._decompress(delta.payload[: delta.split], 4 * n, "positions") if n else None
+        values = self._decompress(delta.payload[delta.split :], delta.word * n, "values") if n else None
+        np.copyto(out_words.view(np.uint8), base)
+        if not n:
+            return
+        if kernels.available():
+            bad = kernels.scatter_planes(out_words, gaps.reshape(4, n), values.reshape(delta.word, n))
+        else:
+            bad = _scatter_numpy(out_words, _unshuffle(gaps, np.uint32), _unshuffle(values, _WORDS[delta.word]))
+        if bad >= 0:
+            raise DeltaRefused("malformed", f"sparse delta positions not increasing or beyond the bucket's "
+                                            f"{out_words.size} words (at change {bad} of {n})")
 
     def _decompress(self, data: np.ndarray, nbytes: int, what: str) -> np.ndarray:
         try:
@@ -304,27 +309,14 @@ class DeltaCodec:
             raise DeltaRefused("malformed", f"delta {what}: {e}") from e
 
 
-def _scatter_xor(words: np.ndarray, gaps: np.ndarray, values: np.ndarray) -> None:
-    """``words[p] ^= value`` at the positions the gaps give (compiled when it can be, else numpy).
-
-    Raises:
-        DeltaRefused: ``malformed``, for positions that do not increase or go beyond ``words`` (``words`` then
-            holds part of the delta).
-    """
-    if not gaps.size:
-        return
-    if kernels.available():
-        bad = kernels.scatter_xor(words, gaps, values)
-        if bad < 0:
-            return
-    else:
-        positions = np.cumsum(gaps, dtype=np.int64)
-        bad = -1 if gaps[1:].min(initial=1) > 0 and positions[-1] < words.size else 0
-        if bad < 0:
-            words[positions] ^= values
-            return
-    raise DeltaRefused("malformed", f"sparse delta positions not increasing or beyond the bucket's {words.size} "
-                                    f"words (at change {bad} of {gaps.size})")
+def _scatter_numpy(words: np.ndarray, gaps: np.ndarray, values: np.ndarray) -> int:
+    """``words[p] ^= value`` at the positions the gaps give (numpy); returns -1, or 0 (nothing applied) for
+    positions that do not increase or go beyond ``words``."""
+    positions = np.cumsum(gaps, dtype=np.int64)
+    if gaps[1:].min(initial=1) == 0 or positions[-1] >= words.size:
+        return 0
+    words[positions] ^= values
+    return -1
 
 
 # -- the backends' two ends ------------------------------------------------------------------------
