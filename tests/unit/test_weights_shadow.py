@@ -304,3 +304,43 @@ def test_hf_engine_swaps_the_shadow_in_at_the_workers_safe_point(tied_model_dir)
         r.close()
         b.close()
         engine.close()
+
+
+def test_hf_streaming_engine_swaps_in_flight_and_each_span_matches_its_weights(tied_model_dir):
+    """An in-flight update (streaming, ``keep``) applied by swapping the shadow: the running rows' spans change at
+    the update and each span's logprobs are the trainer's under that span's weights."""
+    from tests.engine_utils import SAMPLING, load_model, perturbed
+    from tests.unit.test_hf_stream import TOL, drain, request, span_diffs
+    from workers.engines.hf import HFEngine
+
+    engine = HFEngine(EngineConfig(type="hf", model=tied_model_dir, seed=7, max_new_tokens=20, max_num_seqs=4,
+                                   ignore_eos=True, **SAMPLING))
+    v0, v1 = load_model(tied_model_dir), load_model(tied_model_dir)
+    state = perturbed(v0)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    v1.load_state_dict(state)
+    b = setup_weight_broadcaster("shm", bucket_bytes=64 * KB)
+    r = setup_weight_receiver("shm", b.address, receiver_id="hf-stream")
+    r.attach_shadow(engine.shadow_weights())
+    r.start()
+    try:
+        b.publish(state, 1)
+        update = r.wait(1, WAIT_S)
+        assert update is not None and engine.shadow_weights().holds(update)
+        for i in range(2):
+            engine.submit(i, request(i, max_new_tokens=20))
+        for _ in range(5):
+            engine.poll(0.0)
+        engine.apply_weights(update)  # between two polls: the worker's safe point
+        r.commit(1)
+        got = drain(engine)
+        completions = [got[k].completions for k in range(2)]
+        assert all([v for v, _, _ in c.version_spans] == [0, 1] for cs in completions for c in cs)
+        diffs = span_diffs({0: v0, 1: v1}, completions)
+        assert set(diffs) == {0, 1} and max(diffs.values()) <= TOL, diffs
+        assert span_diffs({1: v0}, completions)[1] > 1e-3  # the swap really changed what was sampled from
+        assert r.stats()["shadow"]["swaps"] == 1
+    finally:
+        r.close()
+        b.close()
+        engine.close()
