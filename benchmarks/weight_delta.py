@@ -16,14 +16,18 @@ Sections, all in one run:
             weight sets, so each delta update is against the previous version. Latency: ``publish()`` starts
             -> the receiver staged the version (every bucket rebuilt and checksum-verified);
             ``CLOCK_MONOTONIC`` is shared by the processes. Bytes: the broadcaster's ``bytes_served`` for the
-            version. Full (``delta=False``) and delta in the same run, ``--repeats`` updates each.
+            version. CPU: seconds of both processes per update (``process_time``: every thread, the kernel's
+            socket copies included), a figure that other jobs on a shared machine disturb far less than the
+            latency. Full (``delta=False``) and delta in the same run, ``--repeats`` updates each after the
+            first update (one-time costs: buffers allocated, the delta kernels' first call), which is kept
+            apart (``first_update``); ``--delta-threads 1,2`` adds a delta section per encoder-thread count.
   recipe    ``--recipe-steps N``: the tiny recipe (``recipes/configs/tiny_cpu.yaml``, fp32, lr 5e-4) under
             torchrun over zmq for N steps, with and without deltas: bytes per update from its metrics.
   densities the crossover behind ``delta.XOR_DENSITY``: sparse and xor sizes of random low-bit changes to
             uint16/uint32 words at densities 1e-4..0.9 (``--densities``).
 
     .venv/bin/python -m benchmarks.weight_delta [--params 0.5e9] [--repeats 3] [--master bf16|fp32] [--densities]
-        [--recipe-steps 30]
+        [--recipe-steps 30] [--delta-threads 1,2]
 
 Numbers on a shared 2-core machine are noisy; the JSON in ``benchmarks/results/`` has config, machine,
 commit, date and every sample.

@@ -54,12 +54,12 @@ def test_a_garbage_collected_owner_stops_the_threads():
 
 
 def test_jobs_run_in_parallel_across_threads_and_close_drops_the_queued():
-    both, release, ran = threading.Barrier(2, timeout=WAIT_S), threading.Event(), []
+    both, release, ran, running = threading.Barrier(2, timeout=WAIT_S), threading.Event(), [], []
     enc = DeltaEncoder(OWNER, threads=2, on_error=lambda e: None)
-    for k in range(2):
-        enc.submit(k, lambda k=k: (both.wait(), release.wait(WAIT_S), ran.append(k)))  # both running at once
+    for k in range(2):  # each waits for the other: both must run at once
+        enc.submit(k, lambda k=k: (both.wait(), running.append(k), release.wait(WAIT_S), ran.append(k)))
     enc.submit("queued", lambda: ran.append("queued"))
-    wait_for(lambda: both.n_waiting == 0 and not both.broken and enc.pending(0))
+    wait_for(lambda: len(running) == 2)
     threading.Timer(0.05, release.set).start()
     enc.close()  # waits for the running jobs; the queued one never runs
     assert sorted(map(str, ran)) == ["0", "1"]
