@@ -6,6 +6,8 @@ in its own row."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -31,9 +33,18 @@ def run(tmp_path_factory) -> dict[str, Path]:
 
 
 def _align(run: dict[str, Path], name: str, *args: str, torchrun: int = 0) -> tuple[int, str, dict]:
-    """Runs the CLI (or ``torchrun -m asyncrl.debug.align``); returns exit status, stdout and the JSON."""
+    """Runs the CLI (or ``torchrun -m asyncrl.debug.align``); returns exit status, stdout and the JSON. With the HF
+    engine on one rank, the command's ``main`` runs in this process instead (an interpreter start-up fewer; the CLI
+    as a process: the vLLM and torchrun runs)."""
     out = run["dir"] / f"{name}.json"
     tail = ["--model", str(run["model"]), *SMALL, "--json", str(out), *args]
+    if not torchrun and "vllm" not in args:
+        from asyncrl.debug.align import main
+
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            code = main(tail)
+        return code, stdout.getvalue(), loads_json(out.read_bytes())
     argv = ["-m", "asyncrl.cli", "align"]
     if torchrun:
         argv = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}",

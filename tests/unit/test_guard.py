@@ -110,45 +110,61 @@ def test_config_errors_name_the_field():
         UpdateGuard(torch.nn.Linear(2, 2).requires_grad_(False), torch.optim.SGD([torch.zeros(1, requires_grad=True)]))
 
 
-def _ranks(rank: int, world: int, init: str, parallel: str, out: dict) -> None:
+def _ranks(rank: int, world: int, init: str, parallels: list[str], out: dict) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        model = _model()
-        if parallel == "ddp":
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            wrapped = DDP(model)
-        else:
-            from torch.distributed.fsdp import fully_shard
-
-            wrapped = fully_shard(model)
-        opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
-        guard = UpdateGuard(wrapped, opt, GuardConfig(max_update_ratio=0.5))
-        verdicts = [guard.step(_loss(wrapped)).accepted]
-        local = lambda t: t.to_local() if hasattr(t, "to_local") else t
-        before = [local(p.detach()).clone() for p in wrapped.parameters()]
-        # a NaN loss on rank 1 only, whose gradients stay finite (a constant term): rank 0's loss and gradients
-        # are finite, yet it must reject too
-        v = guard.step(_loss(wrapped) + (torch.tensor(float("nan")) if rank == 1 else 0.0))
-        verdicts.append(v.accepted)
-        same = all(torch.equal(local(p.detach()), b) for p, b in zip(wrapped.parameters(), before))
-        # a step too large on every rank (lr 1e3): rejected and undone everywhere
-        opt.param_groups[0]["lr"] = 1e3
-        v2 = guard.step(_loss(wrapped))
-        verdicts.append(v2.accepted)
-        same2 = all(torch.equal(local(p.detach()), b) for p, b in zip(wrapped.parameters(), before))
-        out[rank] = (verdicts, v.reason, same, same2, v2.update_ratio)
+        for parallel in parallels:  # one process group for all: a spawn costs an interpreter start per rank
+            out[parallel, rank] = _guarded_steps(rank, parallel)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
-def test_every_rank_agrees_and_restores(tmp_path, parallel):
+def _guarded_steps(rank: int, parallel: str) -> tuple:
+    model = _model()
+    if parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        wrapped = DDP(model)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        wrapped = fully_shard(model)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    guard = UpdateGuard(wrapped, opt, GuardConfig(max_update_ratio=0.5))
+    verdicts = [guard.step(_loss(wrapped)).accepted]
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+    before = [local(p.detach()).clone() for p in wrapped.parameters()]
+    # a NaN loss on rank 1 only, whose gradients stay finite (a constant term): rank 0's loss and gradients
+    # are finite, yet it must reject too
+    v = guard.step(_loss(wrapped) + (torch.tensor(float("nan")) if rank == 1 else 0.0))
+    verdicts.append(v.accepted)
+    same = all(torch.equal(local(p.detach()), b) for p, b in zip(wrapped.parameters(), before))
+    # a step too large on every rank (lr 1e3): rejected and undone everywhere
+    opt.param_groups[0]["lr"] = 1e3
+    v2 = guard.step(_loss(wrapped))
+    verdicts.append(v2.accepted)
+    same2 = all(torch.equal(local(p.detach()), b) for p, b in zip(wrapped.parameters(), before))
+    return verdicts, v.reason, same, same2, v2.update_ratio
+
+
+PARALLELS = ["ddp", "fsdp2"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tmp_path_factory) -> dict:
+    """``(parallel, rank) -> results`` of the guarded steps under each of :data:`PARALLELS`, from one spawn of 2
+    gloo ranks."""
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_ranks, args=(2, f"file://{tmp_path / 'store'}", parallel, out), nprocs=2, join=True)
-        results = dict(out)
+        store = tmp_path_factory.mktemp("guard-ranks") / "store"
+        mp.spawn(_ranks, args=(2, f"file://{store}", PARALLELS, out), nprocs=2, join=True)
+        return dict(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", PARALLELS)
+def test_every_rank_agrees_and_restores(two_rank_results, parallel):
+    results = {rank: two_rank_results[parallel, rank] for rank in (0, 1)}
     for rank in (0, 1):
         verdicts, reason, same, same2, _ = results[rank]
         assert verdicts == [True, False, False], (rank, results)
