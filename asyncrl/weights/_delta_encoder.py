@@ -92,7 +92,10 @@ class DeltaEncoder:
                 job()
             except Exception as e:  # thread boundary: the broadcaster counts it and serves that bucket full
                 logger.exception("delta encoder: job %r failed", key)
-                self._on_error(e)
+                try:
+                    self._on_error(e)
+                except Exception:  # a failing report must not end the thread that serves every later encode
+                    logger.exception("delta encoder: on_error failed")
             finally:
                 with self._cond:
                     self._pending.discard(key)

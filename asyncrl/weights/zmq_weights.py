@@ -192,9 +192,6 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
         self._codecs = threading.local()  # a DeltaCodec per encoder thread
         self._bases: dict[bytes, tuple[int, str]] = {}  # the base each receiver's last GET named (I/O thread)
         self._delta_wanted = False  # some receiver named a base: encode each new bucket at once (eagerly)
-        self._encoder = DeltaEncoder(self, threads=delta_threads, on_error=self._encode_failed) if delta else None
-        if self._encoder is not None:  # the delta kernels compile (or load from numba's cache) before any bucket
-            self._encoder.submit(("warm",), delta_kernels.warm)
         self._io = IOThread(self, "asyncrl-weight-broadcaster")
         self._ctx = self._io.ctx
         self._lock = threading.Lock()
@@ -213,6 +210,9 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
         self._endpoint: str | None = None
         self._error: BaseException | None = None
         self._pending: list[_Version] = []  # versions with GETs waiting for a bucket (I/O thread only)
+        self._encoder = DeltaEncoder(self, threads=delta_threads, on_error=self._encode_failed) if delta else None
+        if self._encoder is not None:  # the delta kernels compile (or load from numba's cache) before any bucket
+            self._encoder.submit(("warm",), delta_kernels.warm)
         self._io.start(self._run)
         if not self._ready.wait(30) or self._endpoint is None:
             self.close()
