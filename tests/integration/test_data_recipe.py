@@ -74,14 +74,19 @@ def _prompt_tokens_of_dumped_batch(run_dir: Path) -> list[tuple[int, list[int]]]
 
 
 def test_a_jsonl_of_messages_trains_and_the_trainer_sees_the_chat_template(tmp_path, tiny_chat_model):
+    # and drops an over-long prompt (16 tokens each rendered, the long one 126), saying so
+    long = {"messages": [{"role": "user", "content": "Please compute the sum of these numbers: "
+                          + " + ".join(map(str, range(30)))}], "answer": "435"}
     data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in _chat_rows(16)))
+    data.write_text("".join(json.dumps(r) + "\n" for r in [*_chat_rows(16), long]))
     run = tmp_path / "run"
-    _run(CONFIGS / "tiny_cpu.yaml", run, f"model.path={tiny_chat_model}", "data.source=datasets", f"data.path={data}",
-         "rollout.worker.reward={funcs: [arithmetic]}", "guard.inject_nan_at_step=1", "debug.enabled=false", *SHORT)
+    out = _run(CONFIGS / "tiny_cpu.yaml", run, f"model.path={tiny_chat_model}", "data.source=datasets",
+               f"data.path={data}", "data.max_prompt_length=32", "rollout.worker.reward={funcs: [arithmetic]}",
+               "guard.inject_nan_at_step=1", "debug.enabled=false", *SHORT)
+    assert "dropped 1 of 17 prompts longer than data.max_prompt_length=32 tokens" in out
     rows = _metrics(run)
     assert len(rows) == 3 and not rows[0]["accepted"] and all(r["accepted"] for r in rows[1:])
-    expected = load_prompts(DataConfig(source="datasets", path=str(data)), tiny_chat_model)
+    expected = load_prompts(DataConfig(source="datasets", path=str(data), max_prompt_length=32), tiny_chat_model)
     seen = _prompt_tokens_of_dumped_batch(run)
     assert seen, "the guard dumped the NaN batch"
     from transformers import AutoTokenizer
@@ -92,6 +97,8 @@ def test_a_jsonl_of_messages_trains_and_the_trainer_sees_the_chat_template(tmp_p
         assert tok.decode(tokens).endswith("<|im_end|>\n<|im_start|>assistant\n")
 
 
+@pytest.mark.extended  # make test: the jsonl run above drops its over-long prompt; parquet and text prompts load in
+# tests/unit/test_data.py, and text prompts train in every tiny_cpu.yaml recipe test
 def test_a_parquet_of_text_prompts_trains_and_drops_over_long_ones(tmp_path, tiny_chat_model):
     import datasets
 
