@@ -182,11 +182,17 @@ class RolloutWorker:
             weights = self.weights.stats()
             failures = weights.get("failures", 0)
             status["weight_sync_failures"] = failures if isinstance(failures, int) else len(failures)
-            # what crossed the wire for weights, full buckets and deltas (weights.delta), cumulative; two keys
-            # only: the pool keeps a status of at most 16 (refusals are in the receiver's stats)
-            status["weight_full_bytes"] = weights.get("full_bytes", 0)
-            status["weight_delta_bytes"] = weights.get("delta_bytes", 0)
+            # what crossed the wire for weights, full buckets and deltas (weights.delta), cumulative, from a receiver
+            # that counts them (zmq; shm has no wire); two keys only: the pool keeps a status of at most
+            # MAX_STATUS_KEYS (24; refusals are in the receiver's stats)
+            if "full_bytes" in weights or "delta_bytes" in weights:
+                status["weight_full_bytes"] = weights.get("full_bytes", 0)
+                status["weight_delta_bytes"] = weights.get("delta_bytes", 0)
             status["weight_apply_failures"] = self.weight_failures
+            if isinstance(shadow := weights.get("shadow"), dict):  # weights.shadow (shm): versions the engine
+                # swapped in, and versions staged as views because the shadow was still held (then copied)
+                status["weights_via_shadow"] = shadow.get("swaps", 0)
+                status["shadow_busy"] = weights.get("shadow_busy", 0)
             if self.verifier is not None:
                 status.update(self.verifier.status())
         self.sender.status = status

@@ -171,7 +171,7 @@ class ShadowWeights:
 
         Raises:
             ValueError: ``update`` is not this shadow's current fill (released, or refilled since), or ``live`` no
-                longer has the layout or ties the shadow was made for.
+                longer has the layout, contiguity or ties the shadow was made for.
         """
         meta = getattr(update, "metadata", None) or {}
         with self._lock:
@@ -195,8 +195,10 @@ class ShadowWeights:
         objs: list[torch.Tensor] = []
         for name in names:
             t = live.get(name)
-            if t is None or _spec(t) != self._specs[name] or t.device.type != "cpu":
-                got = "missing" if t is None else f"{_spec(t)} on {t.device}"
+            # contiguous too: the old live storage becomes the next fill's target, written as flat bytes (a strided
+            # one would make every later fill fail, so it is refused here and the engine copies instead)
+            if t is None or _spec(t) != self._specs[name] or t.device.type != "cpu" or not t.is_contiguous():
+                got = "missing" if t is None else f"{_spec(t)} on {t.device}, contiguous={t.is_contiguous()}"
                 raise ValueError(f"shadow weights: the engine's {name} is {got}, the shadow holds {self._specs[name]}")
             if not any(o is t for o in objs):
                 objs.append(t)

@@ -7,6 +7,8 @@ that version's weights matches to 1e-4, and under any other version it does not.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -44,7 +46,9 @@ def _hf_streams() -> bool:
 def test_every_rollout_carries_the_version_that_produced_it(tmp_path, backend, streaming, shadow):
     """Static: whole rollouts per version. Streaming: updates land in flight, so a rollout's tokens may span
     versions; every token is checked against the weights of its own span (``token_versions``). Shadow: the
-    workers' receivers fill their engines' shadow weights, swapped in at the same safe point (``weights.shadow``)."""
+    workers' receivers fill their engines' shadow weights, swapped in at the same safe point (``weights.shadow``);
+    each version is published once both workers applied the previous one, so every version, the first included,
+    must be swapped in (``weights_via_shadow`` in the workers' statuses), none staged as views (``shadow_busy``)."""
     model_dir = str(build_tiny_model(tmp_path / "tiny"))
     base = load_model(model_dir)
     versions = {0: base.state_dict()}
@@ -76,9 +80,15 @@ def test_every_rollout_carries_the_version_that_produced_it(tmp_path, backend, s
                 batches.append(batch)
                 if step % 4 == 3 and loader.policy_version < UPDATES:
                     v = loader.policy_version + 1
+                    if shadow:  # every worker applied v - 1 (its shadow released): v must go through the shadow
+                        _until_workers(loader, lambda w, v=v: w.get("policy_version", -1) >= v - 1, f"at version {v - 1}")
                     broadcaster.publish(versions[v], v)
                     loader.set_policy_version(v)
             committed = broadcaster.committed()
+            if shadow:  # every version was swapped in, the first (a late joiner's fill) too; none went as views
+                workers = _until_workers(loader, lambda w: w.get("weights_via_shadow") == UPDATES + 1,
+                                         f"swapped in all {UPDATES + 1} versions")
+                assert all(w["shadow_busy"] == 0 for w in workers.values()), workers
     finally:
         broadcaster.close()
 
@@ -101,6 +111,17 @@ def test_every_rollout_carries_the_version_that_produced_it(tmp_path, backend, s
                     assert diff > 10 * TOL, f"rollouts stamped v{v} also match v{other}: the test cannot tell versions apart"
     assert len(seen) >= 2, f"only versions {seen} were consumed; the run did not interleave updates"
     assert committed and all(v >= 1 for v in committed.values()), committed
+
+
+def _until_workers(loader: RolloutLoader, check, what: str, timeout: float = 60.0) -> dict:
+    """Both workers' statuses (``loader.stats()["transport"]["workers"]``, heartbeats) once ``check`` holds for each."""
+    deadline = time.monotonic() + timeout
+    while True:
+        workers = loader.stats()["transport"]["workers"]
+        if len(workers) == 2 and all(check(w) for w in workers.values()):
+            return workers
+        assert time.monotonic() < deadline, f"the workers were never {what}: {workers}"
+        time.sleep(0.05)
 
 
 def _model(model_dir: str, state: dict) -> torch.nn.Module:

@@ -11,6 +11,7 @@ tensors after the swap, and the worker's fencing is unchanged.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,9 +19,10 @@ import torch
 from asyncrl.config import EngineConfig, WeightSyncConfig
 from asyncrl.weights import setup_weight_broadcaster, setup_weight_receiver
 from asyncrl.weights._checksum import fill_bucket
+from asyncrl.weights.base import WeightSyncError
 from asyncrl.weights.shadow import ShadowWeights
 from asyncrl.weights.shm_weights import ShmWeightReceiver
-from asyncrl.weights.verify import WeightVerifier, tensor_checksum
+from asyncrl.weights.verify import VerifyResult, WeightVerifier, tensor_checksum
 
 WAIT_S = 20.0
 KB = 1024
@@ -40,6 +42,11 @@ def engine_tensors() -> dict[str, torch.Tensor]:
     out = {f"w{i}": torch.zeros(4 * KB) for i in range(8)}
     return {**out, "embed.weight": emb, "head.weight": emb, "norm": torch.zeros(8, dtype=torch.bfloat16),
             "empty": torch.zeros(0)}
+
+
+def strided(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same values as views with other strides (a trainer's transposed or sliced tensors)."""
+    return {k: torch.stack([t, t], -1)[..., 0] if t.numel() else t for k, t in state.items()}
 
 
 def same(live: dict[str, torch.Tensor], version: int) -> bool:
@@ -89,7 +96,7 @@ def test_versions_are_swapped_in_bit_exact_with_ties_kept(channel):
     objects = {k: id(t) for k, t in live.items()}
     storages = set()
     for v in (1, 2, 3):
-        b.publish(weights(v), v)
+        b.publish(weights(v) if v < 3 else strided(weights(v)), v)  # v3: strided sources, the same bytes land
         update = r.wait(v, WAIT_S)
         assert update is not None and shadow.holds(update) and update.metadata["shadow_fill"] == v
         assert shadow.swap_into(live, update) and not shadow.swap_into(live, update)  # a re-apply changes nothing
@@ -102,6 +109,17 @@ def test_versions_are_swapped_in_bit_exact_with_ties_kept(channel):
     stats = r.stats()
     assert stats["versions_via_shadow"] == 3 and stats["held_updates"] == 0 and stats["failures"] == 0
     assert stats["shadow"] == {**stats["shadow"], "fills": 3, "swaps": 3, "state": "free"}
+    # a restarted worker: a fresh engine and shadow, its receiver joining with version 3 already complete
+    late_live = engine_tensors()
+    late = ShadowWeights(late_live)
+    r2 = setup_weight_receiver("shm", b.address, receiver_id="r0")
+    r2.attach_shadow(late)
+    r2.start()
+    try:
+        u3 = r2.wait(3, WAIT_S)
+        assert late.holds(u3) and late.swap_into(late_live, u3) and same(late_live, 3)
+    finally:
+        r2.close()
 
 
 def test_a_corrupted_bucket_is_never_swapped_in(channel):
@@ -209,6 +227,20 @@ def test_closing_the_receiver_mid_fill_frees_the_shadow_and_leaves_the_engine(ch
     assert all(not t.any() for t in live.values())  # nothing reached the engine
 
 
+def test_a_receiver_dying_between_swap_and_commit_leaves_the_swapped_version(channel):
+    """The I/O thread dies after the engine swapped version 1 in, before the worker commits it: the commit still
+    records it and frees the shadow (nothing holds it), the engine keeps version 1, and the next poll raises."""
+    b, r, live, shadow = channel
+    b.publish(weights(1), 1)
+    u1 = r.wait(1, WAIT_S)
+    assert shadow.swap_into(live, u1)
+    r._staging.die(RuntimeError("weight I/O thread died"))
+    r.commit(1)
+    assert same(live, 1) and shadow.stats()["state"] == "free" and r.stats()["held_updates"] == 0
+    with pytest.raises(WeightSyncError, match="died"):
+        r.poll()
+
+
 def test_versions_the_shadow_cannot_take_go_through_views(channel):
     b, r, _, shadow = channel
     other = {k: (t.double() if k == "w0" else t) for k, t in weights(1).items()}
@@ -240,6 +272,9 @@ def test_shadow_refuses_what_it_cannot_swap():
 
     with pytest.raises(ValueError, match="tied"):
         shadow.swap_into({"a": torch.zeros(4), "b": torch.zeros(4)}, Update())  # untied since: refused, nothing moved
+    strided = torch.zeros(8)[::2]  # same names, dtype and shape, other strides: its storage would be the next target
+    with pytest.raises(ValueError, match="contiguous=False"):
+        shadow.swap_into({"a": strided, "b": strided}, Update())
     assert shadow.swap_into(live, Update())
     with pytest.raises(ValueError, match="weights.type='shm'"):
         WeightSyncConfig(type="zmq", shadow=True)
@@ -275,13 +310,17 @@ def test_hf_engine_swaps_the_shadow_in_at_the_workers_safe_point(tied_model_dir)
     engine = HFEngine(EngineConfig(type="hf", model=tied_model_dir, max_new_tokens=4))
     model = engine.model
     assert model.lm_head.weight is model.model.embed_tokens.weight
+    up = model.model.layers[0].mlp.up_proj.weight
+    up.data = up.data.t().contiguous().t()  # strided live storage: shadow_weights() makes it contiguous
     reference = load_model(tied_model_dir)
     b = setup_weight_broadcaster("shm", bucket_bytes=64 * KB)
     r = setup_weight_receiver("shm", b.address, receiver_id="hf")
     r.attach_shadow(engine.shadow_weights())
+    assert up.is_contiguous()
     r.start()
     verifier = WeightVerifier("full")
     worker = RolloutWorker("w0", engine, lambda *a, **k: [0.0], None, max_batch=1, weights=r, verifier=verifier)
+    worker.sender = SimpleNamespace(status={})  # what the worker's heartbeats would carry
     ids = torch.tensor([[1, 40, 41, 42]])
     try:
         for v in (1, 2):
@@ -300,6 +339,7 @@ def test_hf_engine_swaps_the_shadow_in_at_the_workers_safe_point(tied_model_dir)
             (completion,) = engine.generate([GenerationRequest(epoch=0, prompt_index=0, prompt={"prompt_ids": [1, 40]}, n=1)])[0]
             assert completion.policy_version == v and engine.policy_version == v == r.committed_version
         assert r.stats()["versions_via_shadow"] == 2 and r.stats()["shadow"]["swaps"] == 2
+        assert worker.sender.status["weights_via_shadow"] == 2 and worker.sender.status["shadow_busy"] == 0
     finally:
         r.close()
         b.close()
@@ -344,3 +384,29 @@ def test_hf_streaming_engine_swaps_in_flight_and_each_span_matches_its_weights(t
         r.close()
         b.close()
         engine.close()
+
+
+def test_a_shadow_workers_largest_status_fits_the_pools_limit():
+    """``weights_via_shadow`` and ``shadow_busy`` are two more heartbeat keys; the pool drops a status over
+    ``MAX_STATUS_KEYS`` whole (policy_version with it), so the largest one - streaming, in-flight pauses, verifying,
+    after a mismatch - must still fit, with a key to spare (shm sends no wire-byte keys)."""
+    from asyncrl.transport.zmq_transport import MAX_STATUS_KEYS
+    from workers.engines.fake import FakeEngine
+    from workers.worker import RolloutWorker
+
+    class Receiver:  # shm: no wire bytes counted
+        def stats(self):
+            return {"failures": 0, "shadow_busy": 1, "shadow": {"swaps": 3, "busy": 1}}
+
+    verifier = WeightVerifier("full")
+    verifier.last_mismatch = VerifyResult(version=2, kind="full", checked=["w0"], mismatched=["w0"], unverifiable=[])
+    engine = FakeEngine(EngineConfig())
+    engine.occupancy = lambda: {"busy_seq_s": 1.0, "capacity_seq_s": 2.0}  # the HF engine's always has both
+    worker = RolloutWorker("w0", engine, lambda *a, **k: [0.0], SimpleNamespace(status={}),
+                           max_batch=2, slots=2, streaming=True, weights=Receiver(), verifier=verifier)
+    worker.inflight_pauses.append(0.01)
+    worker._report()
+    status = worker.sender.status
+    assert status["weights_via_shadow"] == 3 and status["shadow_busy"] == 1 and "weight_full_bytes" not in status
+    assert "weight_mismatch_tensors" in status and "inflight_pause_p99_s" in status and "capacity_seq_s" in status
+    assert len(status) < MAX_STATUS_KEYS, sorted(status)

@@ -368,9 +368,9 @@ class HFEngine(Engine):
                                  f"{self.config.quantization!r}, adapter loaded: {self._lora_config is not None})")
             from asyncrl.weights.shadow import ShadowWeights
 
-            for p in self.model.parameters():  # the shadow is contiguous: so must the storage it swaps with be
-                if not p.is_contiguous():
-                    p.data = p.data.contiguous()
+            for t in self.model.state_dict(keep_vars=True).values():  # parameters and buffers: the shadow is
+                if not t.is_contiguous():  # contiguous, so must the storage it swaps with be (same values)
+                    t.data = t.data.contiguous()
             self._shadow = ShadowWeights(self.model.state_dict(keep_vars=True))
         return self._shadow
 
