@@ -2,7 +2,7 @@
 # Every GPU check of this project in one run (the device tool lends a GPU for minutes, not hours).
 #
 # Wheels: the GPU machine's image has torch, transformers, peft, safetensors, msgpack, xxhash, pytest, hypothesis and
-# pytest-timeout, but not pyzmq, orjson, torchdata, google-crc32c or zstandard. Fetch them HERE once (pip download
+# pytest-timeout, but not pyzmq, orjson, torchdata or zstandard. Fetch them HERE once (pip download
 # --no-deps for CPython 3.12 / manylinux x86-64 into the git-ignored .whl/):
 #   bash benchmarks/gpu_wheels.sh
 # then run on the device with carry [".whl"] (this script installs .whl/*.whl into /tmp/site when .whl/ exists):
@@ -38,7 +38,7 @@ if [ -d .whl ]; then
 fi
 nvidia-smi -L >> "$OUT/gpu.txt" 2>&1
 python3 -c "import torch; print(torch.__version__, torch.version.cuda, [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])" >> "$OUT/gpu.txt" 2>&1
-python3 -c "import zmq, orjson, torchdata, google_crc32c, zstandard, xxhash, msgpack; print('imports ok')" >> "$OUT/gpu.txt" 2>&1
+python3 -c "import zmq, orjson, torchdata, zstandard, xxhash, msgpack; print('imports ok')" >> "$OUT/gpu.txt" 2>&1
 date -u +"start %FT%TZ" >> "$OUT/gpu.txt"
 
 if want ipc; then

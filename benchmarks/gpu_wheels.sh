@@ -9,5 +9,5 @@ mkdir -p .whl
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
-  pyzmq==27.3.0 orjson==3.13.0 torchdata==0.11.0 google-crc32c==1.9.0 zstandard==0.25.0
+  pyzmq==27.3.0 orjson==3.13.0 torchdata==0.11.0 zstandard==0.25.0
 ls -la .whl
