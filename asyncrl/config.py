@@ -220,6 +220,12 @@ class WeightSyncConfig:
     each receiver one more copy of the weights (the base) and both ends CPU time per bucket; pays off on links
     slower than memory: ``zmq`` only (``shm`` receivers verify and load the shared segment in place, with no
     per-receiver bytes a delta could save; there it is ignored). Set it on the trainer and the workers alike."""
+    delta_threads: int = 1
+    """``zmq`` with ``delta``, trainer side: the broadcaster's encoder threads (a version's buckets are encoded in
+    parallel across them, :mod:`asyncrl.weights._delta_encoder`). 1 by default: on a 2-core machine 2 threads
+    cost more CPU (contention) and were slower end to end (``benchmarks/weight_delta.py --delta-threads 1,2``:
+    one thread already overlaps encoding with the sends and the receivers' decoding); more may pay on a trainer
+    with idle cores and many buckets."""
     wait_for_first_s: float = 60.0
     """A worker waits up to this long for the current weights before it generates (late joiners)."""
     catch_up_s: float = 10.0
@@ -246,6 +252,9 @@ class WeightSyncConfig:
     shapes, go the usual way."""
 
     def __post_init__(self):
+        if type(self.delta_threads) is not int or self.delta_threads < 1:
+            raise ValueError(f"weights.delta_threads={self.delta_threads!r} must be an integer >= 1 (encoder threads "
+                             "of the zmq broadcaster; 1 unless the trainer has idle cores)")
         if self.shadow and self.type != "shm":
             raise ValueError(f"weights.shadow needs weights.type='shm' (got {self.type!r}): only the shared-memory "
                              "receiver fills an engine's shadow weights; set weights.shadow=false")

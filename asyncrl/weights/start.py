@@ -9,8 +9,9 @@ it; ``PolicySync`` publishes through it). Nothing is published here: the first p
 
 Per backend, what the broadcaster is given:
 
-* ``zmq``: ``bind``, ``delta`` and ``security`` (the rollout channel's ``TransportConfig``: its CURVE keys and
-  worker allow-list, so a non-loopback ``weights.bind`` is as protected as the pool, and refused without them).
+* ``zmq``: ``bind``, ``delta``, ``delta_threads`` and ``security`` (the rollout channel's ``TransportConfig``: its
+  CURVE keys and worker allow-list, so a non-loopback ``weights.bind`` is as protected as the pool, and refused
+  without them).
 * ``nccl`` / ``cuda_ipc``: ``bind`` (a control endpoint, bound like zmq's) and the trainer's ``device``
   (buckets live there).
 * ``shm``: a directory named for the run directory under ``/dev/shm`` (or the temp dir), emptied first, so a
@@ -66,7 +67,7 @@ def start_weight_sync(cfg: WeightSyncConfig, *, run_dir: str | Path, device: tor
     """Rank 0 starts the broadcaster ``cfg`` describes; every rank returns with its address (a collective).
 
     Args:
-        cfg: the run's ``weights`` section (``type``, ``bind``, ``bucket_bytes``, ``delta``).
+        cfg: the run's ``weights`` section (``type``, ``bind``, ``bucket_bytes``, ``delta``, ``delta_threads``).
         run_dir: the run directory (names the shm backend's directory).
         device: this rank's device (the nccl / cuda_ipc buckets').
         security: zmq only: the rollout channel's transport settings (CURVE keys, allow-list).
@@ -77,7 +78,8 @@ def start_weight_sync(cfg: WeightSyncConfig, *, run_dir: str | Path, device: tor
     broadcaster, address = None, [None]
     if dist.get_rank() == 0:
         if cfg.type == "zmq":
-            kw: dict[str, Any] = {"bind": cfg.bind, "delta": cfg.delta, "security": security}
+            kw: dict[str, Any] = {"bind": cfg.bind, "delta": cfg.delta, "delta_threads": cfg.delta_threads,
+                                  "security": security}
         elif cfg.type in ("nccl", "cuda_ipc"):
             kw = {"bind": cfg.bind, "device": device}
         else:

@@ -64,3 +64,18 @@ def test_zmq_gets_the_rollout_channels_security(one_rank, tmp_path):
 def test_an_unknown_type_is_refused_with_the_choices(one_rank, tmp_path):
     with pytest.raises(ValueError, match="unknown weight sync"):
         start_weight_sync(WeightSyncConfig(type="none"), run_dir=tmp_path, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, True])
+def test_delta_threads_must_be_a_positive_integer(threads):
+    with pytest.raises(ValueError, match=rf"weights.delta_threads={threads!r} must be an integer >= 1"):
+        WeightSyncConfig(type="zmq", delta=True, delta_threads=threads)
+
+
+def test_zmq_broadcaster_gets_the_delta_threads(one_rank, tmp_path):
+    sync = start_weight_sync(WeightSyncConfig(type="zmq", delta=True, delta_threads=2), run_dir=tmp_path,
+                             device=torch.device("cpu"))
+    try:
+        assert len(sync.broadcaster._encoder._threads) == 2  # noqa: SLF001  (the pass-through is the point)
+    finally:
+        sync.close()
