@@ -76,6 +76,6 @@ def test_zmq_broadcaster_gets_the_delta_threads(one_rank, tmp_path):
     sync = start_weight_sync(WeightSyncConfig(type="zmq", delta=True, delta_threads=2), run_dir=tmp_path,
                              device=torch.device("cpu"))
     try:
-        assert len(sync.broadcaster._encoder._threads) == 2  # noqa: SLF001  (the pass-through is the point)
+        assert len(sync.broadcaster._encoder._threads) == 2  # the pass-through is the point
     finally:
         sync.close()
