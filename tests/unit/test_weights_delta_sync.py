@@ -217,6 +217,33 @@ def test_lora_adapters_travel_as_deltas(broadcaster, receivers):
     assert r.stats()["buckets_delta"] > 0
 
 
+def test_lora_receivers_without_the_adapter_base_get_full_buckets(broadcaster, receivers):
+    """fp32 adapters (PEFT's dtype) after a full-weights version: a receiver whose committed base is the full
+    version (another layout) and a late joiner (no base) get the adapter buckets full, exact, nothing refused;
+    the next adapter version travels as deltas to both."""
+    g = torch.Generator().manual_seed(0)
+    a1 = {f"base_model.model.layers.{i}.q_proj.lora_{ab}.weight": torch.randn(8, 256, generator=g) * 0.02
+          for i in range(4) for ab in "AB"}
+    a2, a3 = step(a1, 3), step(step(a1, 3), 4)
+    lora = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
+    v1 = weights()
+    broadcaster.publish(v1, 1)
+    r = receivers(broadcaster.address, "w0")
+    apply(r, 1, v1)  # its base: the full weights
+    broadcaster.publish(a2, 2, mode="lora", lora_config=lora)
+    full_before = r.stats()["buckets_full"]
+    apply(r, 2, a2)
+    late = receivers(broadcaster.address, "late")  # no base at all
+    assert apply(late, 2, a2).mode == "lora"
+    for rr, full in ((r, r.stats()["buckets_full"] - full_before), (late, late.stats()["buckets_full"])):
+        s = rr.stats()
+        assert full > 0 and s.get("buckets_delta", 0) == 0, s
+        assert not any(k.startswith("delta_refused") and v for k, v in s.items()) and s.get("failures", 0) == 0, s
+    broadcaster.publish(a3, 3, mode="lora", lora_config=lora)
+    for rr in (r, late):
+        assert apply(rr, 3, a3).mode == "lora" and rr.stats()["buckets_delta"] > 0, rr.stats()
+
+
 def test_broadcaster_without_deltas_ignores_named_bases(receivers):
     b = setup_weight_broadcaster("zmq", bucket_bytes=64 * KB)
     try:
