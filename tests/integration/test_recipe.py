@@ -108,8 +108,9 @@ def test_sigkill_and_resume_trains_each_group_once_with_identical_losses(tmp_pat
     # the reference: steps 1-7 of this run, uninterrupted so far (the resume must redo 5-7 with the same losses)
     reference = {r["step"]: r for r in _metrics(run)}
     pids = {rank: (run / f"pid-rank{rank}").read_text() for rank in (0, 1)}
-    # one run per run directory: a second one (here a --resume) is refused at once, with the holder named
-    second = _torchrun(run, *steps, resume=True)
+    # one run per run directory: a second one (here a --resume, on one rank: the lock is taken before the world size
+    # matters) is refused at once, with the holder named
+    second = _torchrun(run, *steps, nproc=1, resume=True)
     out, _ = second.communicate(timeout=300)
     assert second.returncode != 0, out[-3000:]
     assert f"is in use by another run (pid {pids[0]} on " in out, out[-3000:]
