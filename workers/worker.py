@@ -184,7 +184,7 @@ class RolloutWorker:
             status["weight_sync_failures"] = failures if isinstance(failures, int) else len(failures)
             # what crossed the wire for weights, full buckets and deltas (weights.delta), cumulative, from a receiver
             # that counts them (zmq; shm has no wire); two keys only: the pool keeps a status of at most
-            # MAX_STATUS_KEYS (24; refusals are in the receiver's stats)
+            # MAX_STATUS_KEYS (32; a bigger status is refused whole, counted statuses_refused)
             if "full_bytes" in weights or "delta_bytes" in weights:
                 status["weight_full_bytes"] = weights.get("full_bytes", 0)
                 status["weight_delta_bytes"] = weights.get("delta_bytes", 0)

@@ -91,8 +91,9 @@ GREETED_PER_PEER = 4
 """Identities remembered for SHUTDOWN and late groups: at most this many times ``gate.max_peers``."""
 SHUTDOWN_ACK_S = 2.0
 """Longest a closing pool waits for its workers' BYE after SHUTDOWN (it reads the socket meanwhile)."""
-MAX_STATUS_KEYS = 24
-"""Most keys of a worker status (heartbeat) a pool keeps; a bigger status is ignored (the previous one stays)."""
+MAX_STATUS_KEYS = 32
+"""Most keys of a worker status (heartbeat) a pool keeps; a bigger status is ignored (the previous one stays),
+counted as ``statuses_refused`` and named in ``recent_errors``. The largest status a worker sends today is 23."""
 _MONITOR_EVENTS = {
     zmq.EVENT_ACCEPTED: "connections_accepted",
     zmq.EVENT_DISCONNECTED: "connections_dropped",
@@ -403,6 +404,10 @@ class ZmqRolloutReceiver(RolloutReceiver):
             status = body["status"]
             if len(status) <= MAX_STATUS_KEYS and all(isinstance(k, str) and isinstance(v, (int, float, str)) for k, v in status.items()):
                 peer.status = {k: v[:200] if isinstance(v, str) else v for k, v in status.items()}
+            else:  # the previous status stays; a worker whose status grew past the limit must not go unnoticed
+                self._refused(identity, "statuses_refused", f"a status of {len(status)} keys (at most "
+                              f"{MAX_STATUS_KEYS}, values int/float/str) was ignored; the previous one stays",
+                              peer.worker_id)
 
     def _hello(self, sock: zmq.Socket, identity: bytes, body: dict[str, Any], now: float) -> None:
         worker_id = body["worker_id"]

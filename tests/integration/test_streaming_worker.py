@@ -85,10 +85,12 @@ def test_the_pool_keeps_a_worker_status_of_up_to_max_status_keys(pool_end):
     try:
         sender.status = {f"k{i}": i for i in range(MAX_STATUS_KEYS)}
         _until(lambda: len(receiver.stats()["workers"]["w-status"]) >= MAX_STATUS_KEYS, 10, "the status")
-        sender.status = {f"big{i}": i for i in range(MAX_STATUS_KEYS + 1)}  # one too many: ignored
-        time.sleep(0.5)  # several heartbeats: a negative check needs a window
-        workers = receiver.stats()["workers"]["w-status"]
+        sender.status = {f"big{i}": i for i in range(MAX_STATUS_KEYS + 1)}  # one too many: ignored, counted
+        _until(lambda: receiver.stats().get("statuses_refused", 0) >= 2, 10, "the refusals")
+        stats = receiver.stats()
+        workers = stats["workers"]["w-status"]
         assert "big0" not in workers and workers[f"k{MAX_STATUS_KEYS - 1}"] == MAX_STATUS_KEYS - 1
+        assert any(who == "w-status" and f"{MAX_STATUS_KEYS + 1} keys" in e for who, e in stats["recent_errors"])
     finally:
         sender.close()
 

@@ -388,8 +388,8 @@ def test_hf_streaming_engine_swaps_in_flight_and_each_span_matches_its_weights(t
 
 def test_a_shadow_workers_largest_status_fits_the_pools_limit():
     """``weights_via_shadow`` and ``shadow_busy`` are two more heartbeat keys; the pool drops a status over
-    ``MAX_STATUS_KEYS`` whole (policy_version with it), so the largest one - streaming, in-flight pauses, verifying,
-    after a mismatch - must still fit, with a key to spare (shm sends no wire-byte keys)."""
+    ``MAX_STATUS_KEYS`` whole (policy_version with it; counted as statuses_refused), so the largest one -
+    streaming, in-flight pauses, verifying, after a mismatch - must still fit, with a key to spare (shm sends no wire-byte keys)."""
     from asyncrl.transport.zmq_transport import MAX_STATUS_KEYS
     from workers.engines.fake import FakeEngine
     from workers.worker import RolloutWorker
