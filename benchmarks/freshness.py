@@ -43,6 +43,9 @@ should span many seconds):
 * staleness ``mean``/``p50``/``p99`` of the summed histogram; ``publish_s`` (mean over accepted steps);
   ``weight_apply_s`` per update per worker (Δ``weight_apply_s`` / Δ worker ``policy_version``);
   ``regenerated_frac``: Δ``stale_dropped`` groups / groups trained.
+* ``leases_held`` (streaming workers): mean leases held per worker, Δ``leases_held_s`` / Δ``uptime_s``;
+  ``train_s_per_token``: sum ``train_s`` / batch tokens; ``load_avg_1m``: the machine's 1-minute load when the run
+  ended (loops run point by point, interleaved, so both sides of a comparison see the same drift).
 * the bound: generation capacity ``G`` = Δ``rollouts_sent`` / (Δ``busy_s`` / workers), the aggregate
   rollouts/s with every worker always busy; training capacity ``T`` = rollouts / sum(``train_s`` +
   ``publish_s``), the rollouts/s of a trainer that never waits. Ideal pipelined throughput is
