@@ -30,7 +30,8 @@ WEIGHT_SYNC_KEYS = ("versions_published", "bytes_served", "full_bytes", "delta_b
 """The broadcaster's counters each metrics record carries (bytes on the wire, full buckets and deltas)."""
 WORKER_KEYS = ("busy_s", "uptime_s", "weight_apply_s", "rollouts_sent", "tokens_generated", "policy_version",
                "weight_full_bytes", "weight_delta_bytes", "busy_seq_s", "capacity_seq_s", "inflight_updates",
-               "inflight_pause_p50_s", "inflight_pause_p99_s", "groups_resubmitted", "leases_held_s")
+               "inflight_pause_p50_s", "inflight_pause_p99_s", "groups_resubmitted", "leases_held_s",
+               "weights_via_shadow", "shadow_busy", "shadow_mismatch")
 """What each worker's status contributes to a metrics record."""
 
 

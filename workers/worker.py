@@ -193,6 +193,7 @@ class RolloutWorker:
                 # swapped in, and versions staged as views because the shadow was still held (then copied)
                 status["weights_via_shadow"] = shadow.get("swaps", 0)
                 status["shadow_busy"] = weights.get("shadow_busy", 0)
+                status["shadow_mismatch"] = weights.get("shadow_mismatch", 0)  # layout or dtype not the engine's
             if self.verifier is not None:
                 status.update(self.verifier.status())
         self.sender.status = status

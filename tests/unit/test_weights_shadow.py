@@ -396,7 +396,7 @@ def test_a_shadow_workers_largest_status_fits_the_pools_limit():
 
     class Receiver:  # shm: no wire bytes counted
         def stats(self):
-            return {"failures": 0, "shadow_busy": 1, "shadow": {"swaps": 3, "busy": 1}}
+            return {"failures": 0, "shadow_busy": 1, "shadow_mismatch": 2, "shadow": {"swaps": 3, "busy": 1}}
 
     verifier = WeightVerifier("full")
     verifier.last_mismatch = VerifyResult(version=2, kind="full", checked=["w0"], mismatched=["w0"], unverifiable=[])
@@ -408,5 +408,6 @@ def test_a_shadow_workers_largest_status_fits_the_pools_limit():
     worker._report()
     status = worker.sender.status
     assert status["weights_via_shadow"] == 3 and status["shadow_busy"] == 1 and "weight_full_bytes" not in status
+    assert status["shadow_mismatch"] == 2
     assert "weight_mismatch_tensors" in status and "inflight_pause_p99_s" in status and "capacity_seq_s" in status
     assert len(status) < MAX_STATUS_KEYS, sorted(status)
