@@ -102,7 +102,9 @@ class Waker:
 
     The I/O side binds :meth:`pull` once and polls it with its other sockets (draining it with :func:`drain`); any
     other thread calls :meth:`wake`, which sends one empty frame unless a wake-up is already pending (it never
-    blocks). :meth:`close` closes the sending end; call it before the context is terminated.
+    blocks). :meth:`close` closes the sending end; call it before the context is terminated. A wake after close
+    is a no-op (a background thread that outlived the I/O thread's join must not open a socket then: one made
+    before the context's term would hang it, one after raises).
 
     Args:
         ctx: the context of the I/O thread (inproc endpoints live in one context).
@@ -114,6 +116,7 @@ class Waker:
         self._ctx = ctx
         self._lock = threading.Lock()
         self._push: zmq.Socket | None = None  # the waking threads' end, made on first use, under _lock
+        self._closed = False  # under _lock
 
     def pull(self) -> zmq.Socket:
         """The I/O thread's end, bound (the caller closes it with its other sockets)."""
@@ -128,6 +131,8 @@ class Waker:
 
     def wake(self) -> None:
         with self._lock:
+            if self._closed:
+                return
             if self._push is None:
                 self._push = self._ctx.socket(zmq.PUSH)
                 self._push.setsockopt(zmq.LINGER, 0)
@@ -139,6 +144,7 @@ class Waker:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             if self._push is not None:
                 self._push.close(linger=0)
                 self._push = None

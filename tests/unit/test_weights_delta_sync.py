@@ -11,6 +11,9 @@ import pytest
 import torch
 
 from asyncrl.weights import setup_weight_broadcaster, setup_weight_receiver
+from asyncrl.weights._checksum import fill_bucket
+from asyncrl.weights.base import plan_buckets
+from asyncrl.weights.delta import DeltaCodec
 from asyncrl.weights.zmq_weights import ZmqWeightReceiver
 
 KB = 1 << 10
@@ -302,3 +305,96 @@ def test_an_encode_that_fails_serves_the_bucket_full(broadcaster, receivers, mon
     s, b = r.stats(), broadcaster.stats()
     assert s["buckets_full"] - full_before == 1 and s["buckets_delta"] == buckets - 1 and s.get("failures", 0) == 0
     assert b["delta_encode_errors"] >= 1
+
+
+def _gated_encodes(monkeypatch, base_version: int):
+    """Encodes against ``base_version`` wait for ``gate`` (after setting ``started``): an encode in flight."""
+    import threading
+
+    from asyncrl.weights import zmq_weights
+
+    real, started, gate = zmq_weights.encode_delta, threading.Event(), threading.Event()
+
+    def gated(codec, bucket, *args, **kwargs):
+        if kwargs["base_version"] == base_version:
+            started.set()
+            gate.wait(WAIT_S)
+        return real(codec, bucket, *args, **kwargs)
+
+    monkeypatch.setattr(zmq_weights, "encode_delta", gated)
+    return started, gate
+
+
+def test_close_with_an_encode_in_flight_returns_and_the_encoder_thread_ends(receivers, monkeypatch):
+    """close() while an encode runs longer than the join allows: close returns, the encode's late wake-up of the
+    closed I/O thread is no error (and opens no socket that would hang the context), the thread then ends, and
+    what the receiver staged is exact."""
+    from asyncrl.transport import _zmq_util
+
+    monkeypatch.setattr(_zmq_util, "JOIN_S", 1.0)  # the encode outlives the encoder's join
+    started, gate = _gated_encodes(monkeypatch, base_version=1)
+    b = setup_weight_broadcaster("zmq", bucket_bytes=64 * KB, delta=True)
+    v1 = weights()
+    v2 = step(v1, 1)
+    try:
+        b.publish(v1, 1)
+        r = receivers(b.address, "w0")
+        apply(r, 1, v1)
+        wait_for(lambda: b.committed().get("w0") == 1, lambda: b.stats())
+        b.publish(v2, 2)
+        assert started.wait(WAIT_S), b.stats()
+    finally:
+        t0 = time.monotonic()
+        b.close()
+    assert time.monotonic() - t0 < WAIT_S
+    gate.set()
+    threads = [t.thread for t in b._encoder._threads]
+    wait_for(lambda: not any(t.is_alive() for t in threads), "encoder thread still running after close")
+    assert b.stats().get("delta_encode_errors", 0) == 0, b.stats()
+    update = r.wait(2, 0.5)
+    assert update is None or (update.version == 2 and same(update, v2))
+    assert not any(k.startswith("delta_refused") and v for k, v in r.stats().items()), r.stats()
+
+
+def test_a_publish_while_the_previous_versions_encodes_run_never_mixes_them(receivers, monkeypatch):
+    """Version 3 is published while version 2's encodes (against 1) are held: its publish reuses version 1's
+    buffers only once no encode reads them, version 2's remaining encodes find their base retired and serve
+    full, and receivers end exact on 2 and 3 with nothing refused."""
+    import threading
+
+    started, gate = _gated_encodes(monkeypatch, base_version=1)
+    b = setup_weight_broadcaster("zmq", bucket_bytes=64 * KB, delta=True, keep_versions=2)
+    v1 = weights()
+    v2 = step(v1, 1)
+    v3 = step(v2, 2)
+    try:
+        b.publish(v1, 1)
+        r = receivers(b.address, "w0")
+        apply(r, 1, v1)
+        wait_for(lambda: b.committed().get("w0") == 1, lambda: b.stats())
+        b.publish(v2, 2)
+        assert started.wait(WAIT_S), b.stats()
+        published = threading.Event()
+        t = threading.Thread(target=lambda: (b.publish(v3, 3), published.set()), daemon=True)
+        t.start()  # retires version 1, whose buffers an encode of version 2 reads now
+        assert not published.wait(0.3), "version 3 reused version 1's buffers while an encode read them"
+        gate.set()
+        t.join(WAIT_S)
+        assert published.is_set(), b.stats()
+        entry = next(v for v in b._versions if v.manifest.version == 2)
+        base = {x.index: x for x in plan_buckets(v1, 64 * KB)}
+        with b._lock:
+            made = {key: d for key, d in entry.deltas.items() if d is not None}
+        assert made and all(key[1:] == (1, "") for key in made), entry.deltas.keys()
+        for (index, _, _), d in made.items():  # each against version 1's bytes as published (verified inside)
+            held = torch.empty(base[index].nbytes, dtype=torch.uint8)
+            fill_bucket(base[index], v1, held)
+            DeltaCodec().decode(d, held.numpy(), base_version=1, base_incarnation="")
+        update = r.wait(3, WAIT_S)  # version 2 first (if it came before 3's manifest), then 3
+        assert update is not None and update.version == 3 and same(update, v3), r.stats()
+        r.commit(3)
+        s, bs = r.stats(), b.stats()
+        assert not any(k.startswith("delta_refused") and v for k, v in s.items()) and s.get("failures", 0) == 0, s
+        assert bs.get("delta_encode_errors", 0) == 0 and bs["versions"] == [2, 3], bs
+    finally:
+        b.close()
