@@ -23,11 +23,15 @@ Sections, all in one run:
             apart (``first_update``); ``--delta-threads 1,2`` adds a delta section per encoder-thread count.
   recipe    ``--recipe-steps N``: the tiny recipe (``recipes/configs/tiny_cpu.yaml``, fp32, lr 5e-4) under
             torchrun over zmq for N steps, with and without deltas: bytes per update from its metrics.
+  lora      ``--lora R``: rank-R adapters (PEFT's names and init: A ~ N(0, 0.02), B = 0) on every q/k/v/o and
+            MLP projection of the same model, fp32 (PEFT's dtype) and bf16: the codec section on the last of
+            ``--lora-steps`` AdamW steps (lr ``--lora-lr``; the first steps warm the optimizer and move B off
+            zero), i.e. what a ``lora``-mode update with ``weights.delta`` sends.
   densities the crossover behind ``delta.XOR_DENSITY``: sparse and xor sizes of random low-bit changes to
             uint16/uint32 words at densities 1e-4..0.9 (``--densities``).
 
     .venv/bin/python -m benchmarks.weight_delta [--params 0.5e9] [--repeats 3] [--master bf16|fp32] [--densities]
-        [--recipe-steps 30] [--delta-threads 1,2]
+        [--recipe-steps 30] [--delta-threads 1,2] [--lora 16]
 
 Numbers on a shared 2-core machine are noisy; the JSON in ``benchmarks/results/`` has config, machine,
 commit, date and every sample.
@@ -147,6 +151,30 @@ def codec_section(before: dict, after: dict, bucket_bytes: int) -> dict[str, Any
     return {"full_bytes": full, "delta_bytes": wire, "ratio": full / max(wire, 1), "encode_s": enc_s,
             "decode_s": dec_s, "encode_gb_per_s": full / enc_s / 1e9, "decode_gb_per_s": full / max(dec_s, 1e-9) / 1e9,
             "buckets": encodings}
+
+
+def lora_section(rank: int, lr: float, steps: int, dtype: torch.dtype, seed: int = 0) -> dict[str, Any]:
+    """Rank-``rank`` adapters in ``dtype`` before and after the last of ``steps`` AdamW steps: the codec section."""
+    g = torch.Generator().manual_seed(seed)
+    params = {}
+    for name, shape in shapes(0.5e9):
+        if len(shape) != 2 or "proj" not in name:
+            continue
+        stem = name.removesuffix(".weight")
+        params[f"base_model.model.{stem}.lora_A.weight"] = torch.randn(rank, shape[1], generator=g) * 0.02
+        params[f"base_model.model.{stem}.lora_B.weight"] = torch.zeros(shape[0], rank)
+    ps = {k: torch.nn.Parameter(v.to(dtype)) for k, v in params.items()}
+    opt = torch.optim.AdamW(ps.values(), lr=lr)
+    before: dict[str, torch.Tensor] = {}
+    for _ in range(steps):
+        for p in ps.values():
+            p.grad = torch.randn(p.shape, generator=g).to(dtype)
+        before = {k: p.detach().clone() for k, p in ps.items()}
+        opt.step()
+    after = {k: p.detach().clone() for k, p in ps.items()}
+    changed = sum(int((before[k] != after[k]).sum()) for k in after) / sum(t.numel() for t in after.values())
+    return {"dtype": str(dtype), "rank": rank, "lr": lr, "steps": steps, "changed_fraction": changed,
+            **codec_section(before, after, 64 << 20)}
 
 
 # -- end to end over zmq ---------------------------------------------------------------------------
@@ -301,6 +329,9 @@ def main() -> None:
     p.add_argument("--densities", action="store_true", help="also the sparse/xor crossover")
     p.add_argument("--no-zmq", action="store_true")
     p.add_argument("--recipe-steps", type=int, default=0, help="> 0: also the tiny recipe with and without deltas")
+    p.add_argument("--lora", type=int, default=0, help="> 0: also rank-R LoRA adapters' deltas (codec only)")
+    p.add_argument("--lora-lr", type=float, default=1e-5)
+    p.add_argument("--lora-steps", type=int, default=3)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -342,6 +373,13 @@ def main() -> None:
         result["recipe"] = r = recipe_section(args.recipe_steps)
         print(f"tiny recipe: {r['delta=False']['bytes_per_update']:.0f} B per update full, "
               f"{r['delta=True']['bytes_per_update']:.0f} with deltas ({r['ratio']:.2f}x)")
+    if args.lora:
+        result["lora"] = [lora_section(args.lora, args.lora_lr, args.lora_steps, d)
+                          for d in (torch.float32, torch.bfloat16)]
+        for r in result["lora"]:
+            print(f"lora r={r['rank']} {r['dtype']}: {r['changed_fraction']:.1%} of the elements changed, "
+                  f"{r['full_bytes'] / 1e6:.1f} MB -> {r['delta_bytes'] / 1e6:.2f} MB ({r['ratio']:.2f}x), "
+                  f"buckets {r['buckets']}")
     if args.densities:
         result["densities"] = densities_section()
         for row in result["densities"]:
