@@ -165,9 +165,10 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
             publish has written it (a receiver's base is the version it committed, usually the previous one),
             so encoding overlaps the sends and the receivers' decoding; a GET naming another base waits for
             its encode.
-        delta_threads: encoder threads (buckets of a version are encoded in parallel across them). 1 by default:
-            on a 2-core machine 2 threads cost more CPU (contention) and were slower end to end
-            (``benchmarks/weight_delta.py --delta-threads 1,2``); more may pay on a trainer with idle cores.
+        delta_threads: encoder threads (``weights.delta_threads``; buckets of a version are encoded in parallel
+            across them). 1 by default: on a 2-core machine 2 threads cost more CPU (contention) and were
+            slower end to end (``benchmarks/weight_delta.py --delta-threads 1,2``); more may pay on a trainer
+            with idle cores.
 
     Raises:
         ValueError: for a non-loopback bind without CURVE, or CURVE without an allow-list of worker keys.
