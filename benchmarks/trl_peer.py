@@ -133,7 +133,8 @@ def trl_child(args: argparse.Namespace) -> None:
 def engine_child(args: argparse.Namespace) -> None:
     """Times one worker batch of the HF engine (``--prompts-per-step`` prompts x ``--generations``, at most
     ``--max-new-tokens``, one intra-op thread): the lean decode loop against ``generate`` on the same rows and seed,
-    and the lean loop on two steps' prompts at once (``async1_b2``'s batch), interleaved; writes ``{out}/engine.json``."""
+    and the lean loop on two steps' prompts at once (``async1_b2``'s batch), interleaved; writes
+    ``{out}/engine.json``."""
     import torch
 
     from asyncrl.config import EngineConfig
@@ -233,7 +234,8 @@ def run_recipe(args: argparse.Namespace, mode: str, run_dir: Path) -> dict[str, 
     per_step = args.prompts_per_step * args.generations
     workers = rows[-1].get("pipeline", {}).get("workers", {})
     return {"launched": launched, "exited": exited, "cpu_s": cpu_s, "step_end": [r["time"] for r in rows],
-            "reward": [r["reward_mean"] for r in rows], "response_len": [r.get("loss/response_tokens", 0.0) / per_step for r in rows],
+            "reward": [r["reward_mean"] for r in rows],
+            "response_len": [r.get("loss/response_tokens", 0.0) / per_step for r in rows],
             "staleness_mean": [r.get("staleness_mean") for r in rows],
             "train_s": [r.get("train_s") for r in rows], "wait_s": [r.get("wait_s") for r in rows],
             "publish_s": [r.get("publish_s") for r in rows],
@@ -399,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in vars(args).items() if k not in ("trl_child", "engine_child")}
     out.write_text(json.dumps({"benchmark": "trl_peer", "time": time.time(), "config": config, "machine": machine(),
-                               "rollouts_per_step": per_step, "summary": summary, "paired_steady_ratios": paired, "engine": engine,
+                               "rollouts_per_step": per_step, "summary": summary, "paired_steady_ratios": paired,
+                               "engine": engine,
                                "runs": runs, "table": text},
                               indent=1))
     print(f"wrote {out}")

@@ -92,7 +92,8 @@ def test_decode_is_generate_with_an_adapter_and_suppressed_tokens(engine):
 def test_the_engine_takes_the_lean_path_and_a_seed_replays(engine, monkeypatch):
     _configure(engine, **SAMPLING)
     monkeypatch.setattr(type(engine), "_sample_generate", lambda *a, **k: pytest.fail("took generate"))
-    requests = [GenerationRequest(epoch=0, prompt_index=i, prompt={"text": t}, n=3) for i, t in enumerate(["1+1=", "x"])]
+    requests = [GenerationRequest(epoch=0, prompt_index=i, prompt={"text": t}, n=3)
+                for i, t in enumerate(["1+1=", "x"])]
     engine._calls = 0
     first = engine.generate(requests)
     engine._calls = 0
@@ -113,3 +114,13 @@ def test_decode_refuses_bad_arguments_and_other_models(engine):
     assert [type(p).__name__ for p in warpers(temperature=0.5, top_k=3, top_p=0.9, suppress=[1])] == [
         "SuppressTokensLogitsProcessor", "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper"]
     assert warpers(**PLAIN) == []
+
+
+@pytest.mark.gpu
+def test_decode_is_generate_on_cuda(engine):
+    """On CUDA the engine's generator (Philox, seeded) must give the stream the forked, seeded device RNG gave."""
+    cuda = build_engine(EngineConfig(type="hf", model=engine.config.model, seed=3, max_new_tokens=12, device="cuda",
+                                     **SAMPLING))
+    ids, mask = _batch(cuda, PADDED)
+    ids, mask = ids.cuda(), mask.cuda()
+    _same(cuda._sample_decode(ids, mask, 12, 4), cuda._sample_generate(ids, mask, 12, 4))
