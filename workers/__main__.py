@@ -18,7 +18,7 @@ if __name__ == "__main__":
     if "--await-argv" in argv:  # prestarted (workers.prestart): imports now, the command line once the pools exist
         from workers.prestart import await_argv
 
-        argv = await_argv(argv)
+        argv = await_argv(argv, exit_on_early_eof=True)
         if argv is None:  # never used: the trainer closed our stdin or exited
             sys.exit(0)
     from asyncrl.cli import main

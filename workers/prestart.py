@@ -9,9 +9,10 @@ process its argv and the environment variables changed since (:func:`take_presta
 the trainer's start-up. Restarts always spawn cold ones.
 
 Who blocks on what: the worker blocks on its stdin until the launcher writes the argv and closes it; a
-prestarted process that is never used reads EOF when its parent exits (or closes the pipe) and exits 0, and
-dies with its parent either way (``--parent-pid``). The trainer never blocks here (writing one short line to
-a pipe). A process whose import-time variables (threads, paths, devices) changed since it started is killed
+prestarted process that is never used reads EOF when its parent exits (or closes the pipe) and exits 0 at once,
+even in the middle of its imports (a thread reads stdin from the start: torch's import can outlast any fixed wait on
+a loaded machine), and dies with its parent either way (``--parent-pid``). The trainer never blocks here (writing
+one short line to a pipe). A process whose import-time variables (threads, paths, devices) changed since it started is killed
 and the worker starts cold.
 """
 
@@ -23,6 +24,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 
 __all__ = ["IMPORT_TIME_ENV", "await_argv", "end_prestarted", "prestart_workers", "take_prestarted", "worker_env"]
@@ -98,12 +100,13 @@ def take_prestarted(argv: Sequence[str], env: dict[str, str]) -> subprocess.Pope
 
 
 def end_prestarted() -> None:
-    """Ends the prestarted processes no launcher took (closing their stdin: they exit 0)."""
+    """Ends the prestarted processes no launcher took (closing their stdin: they exit 0, imports done or not)."""
     while _prestarted:
         _end(_prestarted.pop()[0])
 
 
-def _end(proc: subprocess.Popen, timeout: float = 5.0, kill: bool = False) -> None:
+def _end(proc: subprocess.Popen, timeout: float = 30.0, kill: bool = False) -> None:
+    """Closes ``proc``'s stdin and waits for its exit (it exits on EOF at once); kills it past ``timeout``."""
     if kill and proc.poll() is None:  # unwanted: it need not finish its imports first
         proc.kill()
     try:
@@ -117,10 +120,14 @@ def _end(proc: subprocess.Popen, timeout: float = 5.0, kill: bool = False) -> No
         proc.wait()
 
 
-def await_argv(argv: list[str]) -> list[str] | None:
+def await_argv(argv: list[str], *, exit_on_early_eof: bool = False) -> list[str] | None:
     """The worker side (``python -m workers --await-argv --preload ENGINE``): imports, then the argv from stdin.
 
-    Applies the environment changes sent with it to ``os.environ``.
+    A thread reads stdin while the imports run. Applies the environment changes sent with the argv to ``os.environ``.
+
+    Args:
+        exit_on_early_eof: on EOF, ``os._exit(0)`` at once, imports done or not (``python -m workers``: an unused
+            process has nothing to keep; the trainer, ending it, need not wait for torch's import).
 
     Returns:
         The command line the launcher wrote; None on EOF (not used: the caller exits 0).
@@ -131,9 +138,19 @@ def await_argv(argv: list[str]) -> list[str] | None:
     engine = argv[argv.index("--preload") + 1] if "--preload" in argv[:-1] else "fake"
     import importlib
 
+    got_line: list[bytes] = []
+
+    def read() -> None:
+        got_line.append(sys.stdin.buffer.readline())
+        if exit_on_early_eof and not got_line[0].strip():
+            os._exit(0)  # never used (imports done or not): nothing to keep, nothing to flush
+
+    reader = threading.Thread(target=read, name="prestart-stdin", daemon=True)
+    reader.start()
     for name in _PRELOAD.get(engine, ()):
         importlib.import_module(name)
-    line = sys.stdin.buffer.readline()
+    reader.join()
+    line = got_line[0]
     if not line.strip():
         return None
     got = json.loads(line)
