@@ -368,10 +368,11 @@ class GRPORecipe:
         self.consumed_file.close()
         if self.metrics_file is not None:
             self.metrics_file.close()
-            plot(self.run_dir)
-            from asyncrl.debug.report import write_report
+            if self.cfg.debug.report:
+                plot(self.run_dir)
+                from asyncrl.debug.report import write_report
 
-            print(f"report: {write_report(self.run_dir)}", file=sys.stderr)
+                print(f"report: {write_report(self.run_dir)}", file=sys.stderr)
         dist.barrier()
         dist.destroy_process_group()
         if self.run_lock is not None:  # last: the run directory is this run's until everything above is written

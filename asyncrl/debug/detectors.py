@@ -79,6 +79,10 @@ class DebugConfig:
     one-step-stale batches of the tiny recipe reach ~8 % (it moves fast); a shifted mask gives ~95 %."""
     max_dumps: int = 100
     """Most dumps one rank writes in a run (the anomaly lines are always written)."""
+    report: bool = True
+    """Rank 0 draws ``report.png`` and writes ``report/index.html`` when the run ends (a few seconds of matplotlib,
+    independent of ``enabled``). Off, the run leaves only their inputs (``metrics.jsonl``, ``debug/``):
+    ``asyncrl report RUN_DIR`` writes the page from them later. Tests that do not look at the report turn it off."""
 
     def __post_init__(self):
         unknown = set(self.detectors) - set(DETECTORS)

@@ -25,7 +25,7 @@ SMALL = ["data.num_prompts=64", "rollout.batch_size=4", "rollout.group_size=4", 
 def _run(run_dir: Path, *overrides: str, resume: bool = False) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
             str(ROOT / "recipes" / "grpo.py"), *(["--resume"] if resume else []), "--config", str(CONFIG),
-            f"run_dir={run_dir}", *SMALL, *overrides]
+            f"run_dir={run_dir}", "debug.report=false", *SMALL, *overrides]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run(argv, check=False, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
 

@@ -26,9 +26,12 @@ EXACT = ["rollout.max_staleness=0", "rollout.ordered=true", "rollout.worker.engi
 SMALL = ["data.num_prompts=64", "rollout.batch_size=4", "rollout.group_size=4", "train.sft_steps=20"]
 
 
-def _torchrun(run_dir: Path, *overrides: str, nproc: int = 2, resume: bool = False) -> subprocess.Popen:
+def _torchrun(run_dir: Path, *overrides: str, nproc: int = 2, resume: bool = False,
+              report: bool = False) -> subprocess.Popen:
+    """``report``: the end-of-run report.png and report/index.html (~3 s of matplotlib; the learning test checks them)."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            str(ROOT / "recipes" / "grpo.py"), "--config", str(CONFIG), f"run_dir={run_dir}", *overrides]
+            str(ROOT / "recipes" / "grpo.py"), "--config", str(CONFIG), f"run_dir={run_dir}",
+            f"debug.report={str(report).lower()}", *overrides]
     if resume:
         argv.insert(argv.index("--config"), "--resume")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
@@ -69,7 +72,7 @@ def test_two_ranks_learn_on_disjoint_data(tmp_path):
     # 60 of the config's 150 steps (the learning rate is constant after warm-up, so a shorter run is the longer one's
     # prefix): 0.604 -> 0.682 over the last 30 steps (150 steps: 0.726 over the last 45), twice the margin asserted.
     run = tmp_path / "run"
-    _finish(_torchrun(run, *EXACT, "train.steps=60"))
+    _finish(_torchrun(run, *EXACT, "train.steps=60", report=True))
     rows = _metrics(run)
     assert len(rows) == 60 and all(r["accepted"] for r in rows)
     first, last = statistics.mean(r["reward_mean"] for r in rows[:15]), statistics.mean(r["reward_mean"] for r in rows[-30:])
@@ -79,9 +82,8 @@ def test_two_ranks_learn_on_disjoint_data(tmp_path):
     assert ranks[0].isdisjoint(ranks[1])
     assert (run / "report.png").stat().st_size > 0
     assert max(r["staleness_max"] for r in rows) == 0  # max_staleness=0
-    # the debugger on a healthy run: every step recorded on every rank, no detector fires, the report renders
+    # the debugger on a healthy run: every step recorded on every rank, no detector fires, the run wrote its report
     from asyncrl.debug.record import read_records
-    from asyncrl.debug.report import write_report
     from tests._synthetic_run import parse_page
 
     for rank in (0, 1):
@@ -92,7 +94,7 @@ def test_two_ranks_learn_on_disjoint_data(tmp_path):
     anomalies = run / "debug" / "anomalies.jsonl"
     assert not anomalies.exists() or not anomalies.read_text().strip(), anomalies.read_text()[:2000]
     assert not (run / "dumps").exists()
-    sections, _ = parse_page(write_report(run).read_text())
+    sections, _ = parse_page((run / "report" / "index.html").read_text())
     assert {"summary", "curves", "staleness", "logprobs", "guard", "anomalies", "throughput"} <= set(sections)
     assert "none" in sections["anomalies"].text.lower()
 
@@ -188,6 +190,7 @@ def test_guard_rejects_nan_batch_restores_exactly_and_dump_replays(tmp_path):
     overrides = ["train.steps=4", "guard.inject_nan_at_step=3", "checkpoint.every=1", "checkpoint.keep=10", *SMALL]
     run = tmp_path / "run"
     _finish(_torchrun(run, *overrides))
+    assert not (run / "report.png").exists() and not (run / "report").exists()  # debug.report=false (_torchrun's)
     rows = {r["step"]: r for r in _metrics(run)}
     assert not rows[3]["accepted"] and "non-finite" in rows[3]["guard_reason"]
     assert [rows[s]["policy_version"] for s in (1, 2, 3, 4)] == [1, 2, 2, 3]
