@@ -38,7 +38,10 @@ def _hf_streams() -> bool:
 
 
 @pytest.mark.parametrize("backend,streaming,shadow", [
-    ("zmq", False, False), ("shm", False, False),
+    ("zmq", False, False),
+    # make test: a static worker's fencing is zmq-False-False's and shm-shadow's (shm, static); the shm receiver's
+    # copy into the engine (no shadow) is shm-True-False's, the same apply_weights checked per token span
+    pytest.param("shm", False, False, marks=pytest.mark.extended),
     pytest.param("shm", False, True, marks=pytest.mark.slow, id="shm-shadow"),
     pytest.param("shm", True, False,
                  marks=pytest.mark.skipif(not _hf_streams(), reason="the HF engine does not stream yet")),
