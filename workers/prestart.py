@@ -12,8 +12,8 @@ Who blocks on what: the worker blocks on its stdin until the launcher writes the
 prestarted process that is never used reads EOF when its parent exits (or closes the pipe) and exits 0 at once,
 even in the middle of its imports (a thread reads stdin from the start: torch's import can outlast any fixed wait on
 a loaded machine), and dies with its parent either way (``--parent-pid``). The trainer never blocks here (writing
-one short line to a pipe). A process whose import-time variables (threads, paths, devices) changed since it started is killed
-and the worker starts cold.
+one short line to a pipe). A process whose import-time variables (threads, paths, devices) changed since it started
+is killed and the worker starts cold.
 """
 
 from __future__ import annotations

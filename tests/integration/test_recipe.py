@@ -28,7 +28,8 @@ SMALL = ["data.num_prompts=64", "rollout.batch_size=4", "rollout.group_size=4", 
 
 def _torchrun(run_dir: Path, *overrides: str, nproc: int = 2, resume: bool = False,
               report: bool = False) -> subprocess.Popen:
-    """``report``: the end-of-run report.png and report/index.html (~3 s of matplotlib; the learning test checks them)."""
+    """``report``: the end-of-run report.png and report/index.html (seconds of matplotlib; the learning test checks
+    them)."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
             str(ROOT / "recipes" / "grpo.py"), "--config", str(CONFIG), f"run_dir={run_dir}",
             f"debug.report={str(report).lower()}", *overrides]
