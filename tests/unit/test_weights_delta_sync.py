@@ -325,6 +325,18 @@ def _gated_encodes(monkeypatch, base_version: int):
     return started, gate
 
 
+def _second_version_encoding(b, receivers, v1, v2, started):
+    """Version 1 published and committed by receiver w0, then version 2 published with its first encode (against 1)
+    started and held by ``_gated_encodes``: the moment the hostile tests below act in. Returns the receiver."""
+    b.publish(v1, 1)
+    r = receivers(b.address, "w0")
+    apply(r, 1, v1)
+    wait_for(lambda: b.committed().get("w0") == 1, lambda: b.stats())
+    b.publish(v2, 2)
+    assert started.wait(WAIT_S), b.stats()
+    return r
+
+
 def test_close_with_an_encode_in_flight_returns_and_the_encoder_thread_ends(receivers, monkeypatch):
     """close() while an encode runs longer than the join allows: close returns, the encode's late wake-up of the
     closed I/O thread is no error (and opens no socket that would hang the context), the thread then ends, and
@@ -337,12 +349,7 @@ def test_close_with_an_encode_in_flight_returns_and_the_encoder_thread_ends(rece
     v1 = weights()
     v2 = step(v1, 1)
     try:
-        b.publish(v1, 1)
-        r = receivers(b.address, "w0")
-        apply(r, 1, v1)
-        wait_for(lambda: b.committed().get("w0") == 1, lambda: b.stats())
-        b.publish(v2, 2)
-        assert started.wait(WAIT_S), b.stats()
+        r = _second_version_encoding(b, receivers, v1, v2, started)
     finally:
         t0 = time.monotonic()
         b.close()
@@ -368,12 +375,7 @@ def test_a_publish_while_the_previous_versions_encodes_run_never_mixes_them(rece
     v2 = step(v1, 1)
     v3 = step(v2, 2)
     try:
-        b.publish(v1, 1)
-        r = receivers(b.address, "w0")
-        apply(r, 1, v1)
-        wait_for(lambda: b.committed().get("w0") == 1, lambda: b.stats())
-        b.publish(v2, 2)
-        assert started.wait(WAIT_S), b.stats()
+        r = _second_version_encoding(b, receivers, v1, v2, started)
         published = threading.Event()
         t = threading.Thread(target=lambda: (b.publish(v3, 3), published.set()), daemon=True)
         t.start()  # retires version 1, whose buffers an encode of version 2 reads now
