@@ -81,6 +81,33 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"cannot write {type(obj).__name__} to adapter_config.json")
 
 
+def _llvmlite_safe_for_vllm() -> None:
+    """Lets vLLM start in a process that has loaded numba (the delta kernels, a user's reward function).
+
+    At start-up vLLM 0.32's CPU platform rebinds its Triton kernel overrides by scanning every module's namespace
+    and reading ``vars(value).get("kernel")`` of each value that has a ``__dict__``
+    (``vllm/triton_utils/dispatcher.py``). llvmlite's ``binding.ffi.lib`` answers every attribute lookup,
+    ``__dict__`` included, with a function wrapper (a lazy ctypes lookup), so the scan raised AttributeError and
+    the engine never started. Dunder names are never LLVM C functions: the wrapper now refuses them. Idempotent;
+    nothing to do when llvmlite's binding is not loaded."""
+    import sys
+
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    lib = getattr(ffi, "lib", None) if ffi is not None else None
+    cls = type(lib)
+    if lib is None or getattr(cls, "_asyncrl_refuses_dunders", False):
+        return
+    lookup = cls.__getattr__
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return lookup(self, name)
+
+    cls.__getattr__ = __getattr__
+    cls._asyncrl_refuses_dunders = True
+
+
 class VLLMEngine(Engine):
     streaming = True
     """Both interfaces on one ``vllm.LLM``: :meth:`generate` (static batches) and, once :meth:`submit` is called,
@@ -94,6 +121,7 @@ class VLLMEngine(Engine):
 
         from workers.engines import _vllm_transfer
 
+        _llvmlite_safe_for_vllm()
         _vllm_transfer.register()  # vLLM's worker in this process; in another one _vllm_ext's import registers it
         self._in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and config.tensor_parallel_size == 1
         self.weight_transfer_stats = {"native": 0, "rpc": 0}
