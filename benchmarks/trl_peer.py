@@ -139,6 +139,7 @@ def engine_child(args: argparse.Namespace) -> None:
 
     from asyncrl.config import EngineConfig
     from workers.engines.base import GenerationRequest, build_engine
+    from workers.engines.hf import left_pad
     from workers.tasks import arithmetic_prompts
 
     torch.set_num_threads(1)
@@ -149,13 +150,7 @@ def engine_child(args: argparse.Namespace) -> None:
 
     def batch(prompts: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids = [engine._prompt_ids({"text": rows[(offset + i) % len(rows)]["text"]}) for i in range(prompts)]
-        ids = [p for p in ids for _ in range(args.generations)]
-        width = max(p.numel() for p in ids)
-        input_ids = torch.full((len(ids), width), engine.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(input_ids)
-        for i, p in enumerate(ids):
-            input_ids[i, width - p.numel():], mask[i, width - p.numel():] = p, 1
-        return input_ids, mask
+        return left_pad([p for p in ids for _ in range(args.generations)], engine.pad_id)
 
     n = args.prompts_per_step
     paths = {"generate": (engine._sample_generate, n), "lean": (engine._sample_decode, n),

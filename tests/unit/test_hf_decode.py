@@ -29,13 +29,9 @@ def engine(tmp_path_factory):
 
 
 def _batch(engine, texts: list[str], n: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = [engine._prompt_ids({"text": t}) for t in texts for _ in range(n)]
-    width = max(r.numel() for r in rows)
-    ids = torch.full((len(rows), width), engine.pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, width - r.numel():], mask[i, width - r.numel():] = r, 1
-    return ids, mask
+    from workers.engines.hf import left_pad
+
+    return left_pad([engine._prompt_ids({"text": t}) for t in texts for _ in range(n)], engine.pad_id)
 
 
 def _configure(engine, **fields: Any) -> None:

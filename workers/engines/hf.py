@@ -61,6 +61,20 @@ def _listed(keys: set[str]) -> str:
     return f"{names[:_MAX_LISTED]}{more}"
 
 
+
+def left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-D token tensors left-padded with ``pad_id`` to the longest: ``(input_ids, attention_mask)``, long tensors
+    of shape (rows, width), the mask 1 over each row's tokens (what generate, the lean decode loop and the
+    streaming prefill all take)."""
+    width = max(r.numel() for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        input_ids[i, width - r.numel():] = r
+        attention_mask[i, width - r.numel():] = 1
+    return input_ids, attention_mask
+
+
 def length_targets(config: EngineConfig, request: GenerationRequest, limit: int) -> list[int]:
     """Response lengths of a request's ``n`` samples when ``config.ignore_eos`` is set.
 
@@ -166,12 +180,8 @@ class HFEngine(Engine):
         rows = [p for p, r in zip(prompts, requests) for _ in range(r.n)]
         if not rows:
             return [[] for _ in requests]
-        width = max(p.numel() for p in rows)
-        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, p in enumerate(rows):
-            input_ids[i, width - p.numel() :] = p
-            attention_mask[i, width - p.numel() :] = 1
+        input_ids, attention_mask = left_pad(rows, self.pad_id)
+        width = input_ids.shape[1]
         limits = {r.max_new_tokens or self.config.max_new_tokens for r in requests}
         if len(limits) != 1:
             raise ValueError(f"one generate call needs one max_new_tokens, got {sorted(limits)}")

@@ -295,12 +295,9 @@ class StreamScheduler:
         from transformers import DynamicCache
 
         e = self.engine
-        width = max(t.numel() for t in seqs)
-        ids = torch.full((len(seqs), width), e.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, t in enumerate(seqs):
-            ids[i, width - t.numel():] = t
-            mask[i, width - t.numel():] = 1
+        from workers.engines.hf import left_pad
+
+        ids, mask = left_pad(seqs, e.pad_id)
         ids, mask = ids.to(e.device), mask.to(e.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=e.model.config)
