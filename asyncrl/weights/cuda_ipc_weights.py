@@ -50,8 +50,6 @@ from __future__ import annotations
 import collections
 import logging
 import queue
-import shutil
-import tempfile
 import threading
 import time
 import weakref
@@ -63,6 +61,7 @@ from typing import Any
 import torch
 import zmq
 
+from asyncrl._owned_dir import OwnedDir, make_owned_dir
 from asyncrl.codec import DecodeError, decode, encode
 from asyncrl.transport._zmq_util import IOThread, Waker, drain, is_loopback_bind
 from asyncrl.transport.protocol import check_fields
@@ -164,9 +163,9 @@ class _Slot:
     publish: int = 0
 
 
-def _cleanup(directory: str | None) -> None:
+def _cleanup(directory: OwnedDir | None) -> None:
     if directory is not None:
-        shutil.rmtree(directory, ignore_errors=True)
+        directory.close()
 
 
 class CudaIpcWeightBroadcaster(WeightBroadcaster):
@@ -187,8 +186,9 @@ class CudaIpcWeightBroadcaster(WeightBroadcaster):
         if slot_wait_s < 0:
             raise ValueError(f"{slot_wait_s=} must be >= 0")
         self._memory = memory if memory is not None else CudaIpcMemory(device)
-        self._dir = tempfile.mkdtemp(prefix="asyncrl-cuda-ipc-") if bind is None else None
-        bind = f"ipc://{self._dir}/weights.sock" if bind is None else bind
+        # owner-locked (asyncrl._owned_dir): a SIGKILLed broadcaster's directory goes when the next one starts
+        self._dir = make_owned_dir("asyncrl-cuda-ipc-")[0] if bind is None else None
+        bind = f"ipc://{self._dir.path}/weights.sock" if bind is None else bind
         check_ipc_bind(bind)
         self.slot_wait_s = slot_wait_s
         self._lock = threading.Condition()

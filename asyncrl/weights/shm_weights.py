@@ -50,9 +50,7 @@ import logging
 import mmap
 import os
 import secrets
-import shutil
 import struct
-import tempfile
 import threading
 import time
 import warnings
@@ -65,6 +63,7 @@ from typing import Any
 import orjson
 import torch
 
+from asyncrl._owned_dir import OwnedDir, Swept, make_owned_dir
 from asyncrl.codec import DecodeError
 from asyncrl.weights._checksum import BucketScatter, checksum, fill_bucket
 from asyncrl.weights._receiver import StagedReceiver
@@ -88,10 +87,13 @@ SPIN_S = 0.0002
 LOCK_POLL_S = 0.0005
 
 
-def _default_directory() -> str:
+PREFIX = "asyncrl-weights-"
+
+
+def _default_directory() -> tuple[OwnedDir, Swept]:
+    """A fresh owner-locked directory under ``/dev/shm`` (else the temp dir), after sweeping dead runs' ones."""
     shm = "/dev/shm"
-    base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
-    return tempfile.mkdtemp(prefix="asyncrl-weights-", dir=base)
+    return make_owned_dir(PREFIX, shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -167,15 +169,15 @@ class _Segment:
         os.close(self.fd)  # the mapping (and receivers' mappings) stay valid until dropped
 
 
-def _cleanup(directory: str, owned: bool, segments: list[_Segment]) -> None:
+def _cleanup(directory: str, owned: OwnedDir | None, segments: list[_Segment]) -> None:
     for seg in segments:
         try:
             seg.close()
         except OSError:
             pass
     segments.clear()
-    if owned:
-        shutil.rmtree(directory, ignore_errors=True)
+    if owned is not None:
+        owned.close()
     else:
         Path(directory, LATEST).unlink(missing_ok=True)
 
@@ -186,7 +188,9 @@ class ShmWeightBroadcaster(WeightBroadcaster):
     Args:
         directory: the shared directory (created if missing). Default: a fresh directory under
             ``/dev/shm`` (else the system temp dir), removed on :meth:`close`; a given directory
-            keeps everything but the files this broadcaster wrote.
+            keeps everything but the files this broadcaster wrote. The default directory is owner-locked
+            (:mod:`asyncrl._owned_dir`): one left by a SIGKILLed broadcaster is removed when the next one
+            starts (counted in ``stats()["stale_dirs_removed"]`` / ``["stale_bytes_removed"]``).
         bucket_bytes: the bucket size (checksum and pipelining granularity; a larger tensor gets its own bucket).
         slot_wait_s: how long a publish waits for receivers to release the slot it reuses before it
             replaces that slot's segment with a fresh one.
@@ -197,8 +201,8 @@ class ShmWeightBroadcaster(WeightBroadcaster):
                  slot_wait_s: float = 1.0, keep_versions: int = 2):
         if bucket_bytes <= 0 or slot_wait_s < 0 or keep_versions < 1:
             raise ValueError(f"{bucket_bytes=} must be > 0, {slot_wait_s=} >= 0 and {keep_versions=} >= 1")
-        owned = directory is None
-        self.directory = Path(_default_directory() if directory is None else directory)
+        owned, swept = _default_directory() if directory is None else (None, Swept())
+        self.directory = owned.path if owned is not None else Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.bucket_bytes = bucket_bytes
         self.slot_wait_s = slot_wait_s
@@ -213,7 +217,9 @@ class ShmWeightBroadcaster(WeightBroadcaster):
         self._progress: Any = None
         """(Under ``_lock``, while publishing.) Stores the header's progress for the bucket being written."""
         self._counters: dict[str, float] = {"versions_published": 0, "segments_created": 0, "slot_waits": 0,
-                                            "slot_wait_s": 0.0, "slots_replaced": 0}
+                                            "slot_wait_s": 0.0, "slots_replaced": 0,
+                                            "stale_dirs_removed": len(swept.removed),
+                                            "stale_bytes_removed": swept.removed_bytes}
         self._finalizer = weakref.finalize(self, _cleanup, str(self.directory), owned, self._slots)
 
     @property

@@ -42,13 +42,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from asyncrl._owned_dir import make_owned_dir
 from asyncrl.config import EngineConfig
 from workers.engines.base import Completion, Engine, Finished, GenerationRequest, prompt_token_ids
 from workers.engines._multimodal import vllm_image_data
@@ -159,6 +159,9 @@ class VLLMEngine(Engine):
         self.policy_version = 0
         self.llm.update_weight_version("0")
         self._lora_dir: Path | None = None
+        self._lora_owned: Any = None
+        """The adapter directory's owner lock (asyncrl._owned_dir): removed at close, or by the next engine's sweep
+        after a SIGKILL."""
         self._lora_scaling: float | None = None
         """The written adapter's ``lora_alpha / r`` (rsLoRA: ``/ sqrt(r)``), which vLLM folds into ``lora_B``."""
         self._calls = 0
@@ -382,7 +385,8 @@ class VLLMEngine(Engine):
         if not self.config.lora_rank:
             raise ValueError("got a LoRA weight update but engine.lora_rank is 0; set it to the adapter's rank")
         if self._lora_dir is None:
-            self._lora_dir = Path(tempfile.mkdtemp(prefix="asyncrl-lora-"))
+            self._lora_owned = make_owned_dir("asyncrl-lora-")[0]
+            self._lora_dir = self._lora_owned.path
         save_file({k: v.contiguous() for k, v in update.tensors.items()}, self._lora_dir / "adapter_model.safetensors")
         config = dict(update.lora_config or {})
         config.setdefault("peft_type", "LORA")
@@ -397,6 +401,8 @@ class VLLMEngine(Engine):
     def close(self) -> None:
         if self._streamer is not None:
             self._streamer.close()
+        if self._lora_owned is not None:  # vLLM has read the adapter into its LoRA slots
+            self._lora_owned.close()
         engine_core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if engine_core is not None and hasattr(engine_core, "shutdown"):
             engine_core.shutdown()
