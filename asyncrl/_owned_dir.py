@@ -113,10 +113,11 @@ def sweep_dead(prefix: str, base: str | os.PathLike) -> Swept:
         if not (hidden or entry.name.startswith(prefix)):
             continue
         try:
-            if not entry.is_dir(follow_symlinks=False):
-                continue
+            st = entry.stat(follow_symlinks=False)
+            if not entry.is_dir(follow_symlinks=False) or st.st_uid != os.getuid():
+                continue  # another user's directory is not ours to judge
             has_owner = os.path.exists(os.path.join(entry.path, OWNER))
-            age = time.time() - entry.stat(follow_symlinks=False).st_mtime
+            age = time.time() - st.st_mtime
         except OSError:
             continue
         path = Path(entry.path)
