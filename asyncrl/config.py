@@ -326,11 +326,15 @@ class WorkerConfig:
     ``weights_in_flight``). Needs an engine that streams (``fake``; ``hf``/``vllm`` where they implement it).
     False: the static loop (``max_batch`` leases per ``engine.generate`` call, each batch waits for its
     longest row): the baseline, and what the reproducible-regime tests use."""
-    weights_in_flight: Literal["keep", "abort"] = "keep"
+    weights_in_flight: Literal["keep", "keep_cache", "abort"] = "keep"
     """Streaming mode: what an update staged while requests are in flight does to them. ``keep``: they continue
     under the new weights (their later tokens carry the new version in ``version_spans``; a rollout's
     ``policy_version`` stays its oldest token's). ``abort``: they are aborted, nothing of them is kept, and
-    their leases are submitted again once, wholly under the new weights (counted ``groups_resubmitted``)."""
+    their leases are submitted again once, wholly under the new weights (counted ``groups_resubmitted``).
+    ``keep_cache`` (HF and fake engines): as ``keep`` but the KV cache the old weights computed is kept (no
+    re-prefill; the pause is the weight load alone): a token after the update carries the new version and the
+    logprob of the new weights attending to the old weights' keys/values of its prefix (what sampled it, not
+    what the trainer recomputes under either version); ``policy_version`` stays the oldest token's."""
     slots: int = 8
     """Leases (credits) the worker holds per pool at once: generation never runs ahead of these. Twice
     ``max_batch`` lets the next batch's leases arrive while this one generates."""
@@ -358,8 +362,12 @@ class WorkerConfig:
                                  f"{self.engine.tensor_parallel_size}: give each vLLM worker as many GPUs as it spans")
         if self.interrupt_every_tokens < 0:
             raise ValueError(f"{self.interrupt_every_tokens=} must be >= 0")
-        if self.weights_in_flight not in ("keep", "abort"):
-            raise ValueError(f"worker.weights_in_flight={self.weights_in_flight!r} must be 'keep' or 'abort'")
+        if self.weights_in_flight not in ("keep", "keep_cache", "abort"):
+            raise ValueError(f"worker.weights_in_flight={self.weights_in_flight!r} must be 'keep', 'keep_cache' or "
+                             "'abort'")
+        if self.weights_in_flight == "keep_cache" and self.engine.type not in ("hf", "fake"):
+            raise ValueError(f"worker.weights_in_flight='keep_cache' needs engine.type hf or fake, not "
+                             f"{self.engine.type!r} (vLLM's keep recomputes the cache: use 'keep')")
         if self.streaming and self.environment:
             raise ValueError("worker.streaming does not combine with worker.environment (multi-turn episodes run "
                              "turn by turn in the static loop)")

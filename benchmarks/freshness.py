@@ -124,12 +124,19 @@ SPEEDUP_REL_TOL = 0.35
 """Baseline band of a speedup: within this relative distance of the reference."""
 EFFICIENCY_ABS_TOL = 0.2
 """Baseline band of an efficiency: at least the reference minus this."""
+OCCUPANCY_SPLIT = ("occ_busy", "occ_pause", "occ_admission", "occ_no_lease", "occ_slots_full", "occ_worker")
+"""Shares of the streaming engines' available slot-time (they sum to 1; HF scheduler only, else None): ``busy``
+(= occupancy), ``pause`` (running rows held by in-flight re-prefills), and free rows while the engine had work:
+``admission`` (sequences queued or prefilling: admission batching), ``no_lease`` (nothing queued and the worker held
+fewer than ``slots`` leases: the pool granted no more: staleness window, ``capacity``, a trainer that let the
+buffer fill), ``slots_full`` (nothing queued, all ``slots`` leases inside: too few slots for the width),
+``worker`` (nothing queued while the worker's main thread was outside ``poll``: rewards, sends, weights)."""
 SCALARS = (
     "rollouts_per_s", "tokens_per_s", "trainer_idle", "worker_idle", "weight_apply_share", "staleness_mean",
     "staleness_p50", "staleness_p99", "staleness_max", "publish_s", "weight_apply_s", "regenerated_frac",
     "gen_capacity", "train_capacity", "bound", "efficiency", "reward_first", "reward_last", "wall_s",
     "occupancy", "inflight_pause_p50_s", "inflight_pause_p99_s", "resubmitted_frac", "leases_held",
-    "train_s_per_token", "load_avg_1m",
+    "train_s_per_token", "load_avg_1m", *OCCUPANCY_SPLIT, "outside_poll",
 )
 
 HEARTBEAT_S = 0.5
@@ -166,7 +173,10 @@ def _worker_deltas(base: dict[str, Any], last: dict[str, Any]) -> dict[str, floa
     """Summed growth of each worker counter between two pipeline snapshots (a worker absent from the base
     started inside the window: all of its counters count)."""
     out = {k: 0.0 for k in ("busy_s", "uptime_s", "weight_apply_s", "rollouts_sent", "tokens_generated",
-                            "busy_seq_s", "capacity_seq_s", "groups_resubmitted", "leases_held_s")}
+                            "busy_seq_s", "capacity_seq_s", "groups_resubmitted", "leases_held_s", "poll_s",
+                            "idle_queued_seq_s", "idle_empty_seq_s", "idle_no_lease_seq_s", "idle_slots_full_seq_s",
+                            "pause_seq_s")}
+    out["split"] = all("idle_empty_seq_s" in v for v in last["workers"].values()) and bool(last["workers"])
     updates = []
     for wid, now in last["workers"].items():
         before = base["workers"].get(wid, {})
@@ -185,7 +195,8 @@ def _worker_deltas(base: dict[str, Any], last: dict[str, Any]) -> dict[str, floa
 
 _TIMES = ("time", "step_s", "wait_s", "train_s", "publish_s")
 _WORKER_TIMES = ("busy_s", "uptime_s", "weight_apply_s", "busy_seq_s", "capacity_seq_s", "inflight_pause_p50_s",
-                 "inflight_pause_p99_s", "leases_held_s")
+                 "inflight_pause_p99_s", "leases_held_s", "poll_s", "idle_queued_seq_s", "idle_empty_seq_s",
+                 "idle_no_lease_seq_s", "idle_slots_full_seq_s", "pause_seq_s")
 
 
 def modelled_time(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -239,7 +250,7 @@ def analyze(rows: list[dict[str, Any]], *, warmup: int, group_size: int) -> dict
     updates = w["updates_per_worker"] * w["workers"]
     tail = max(1, len(rows) // 5)
     dropped = last["pipeline"]["stale_dropped"] - base["pipeline"]["stale_dropped"]
-    return {
+    return occupancy_split(w) | {
         "rollouts_per_s": rate,
         "tokens_per_s": n_tokens / wall,
         "trainer_idle": _ratio(sum(r["wait_s"] for r in timed), sum(r["step_s"] for r in timed)),
@@ -287,6 +298,21 @@ def analyze(rows: list[dict[str, Any]], *, warmup: int, group_size: int) -> dict
             "no worker counters in the window (they arrive with heartbeats): G and worker idle are unknown; "
             "run more steps"],
     }
+
+
+def occupancy_split(w: dict[str, float]) -> dict[str, float | None]:
+    """``OCCUPANCY_SPLIT`` of summed worker deltas, and ``outside_poll``: the share of the streaming workers' busy
+    time their main thread spent outside ``engine.poll`` (an HF engine does not decode meanwhile)."""
+    cap = w["capacity_seq_s"]
+    out: dict[str, float | None] = dict.fromkeys(OCCUPANCY_SPLIT)
+    out["outside_poll"] = 1 - w["poll_s"] / w["busy_s"] if w["poll_s"] and w["busy_s"] > 0 else None
+    if not w.get("split") or cap <= 0:
+        return out
+    worker = w["idle_empty_seq_s"] - w["idle_no_lease_seq_s"] - w["idle_slots_full_seq_s"]
+    for name, v in zip(OCCUPANCY_SPLIT, (w["busy_seq_s"], w["pause_seq_s"], w["idle_queued_seq_s"],
+                                         w["idle_no_lease_seq_s"], w["idle_slots_full_seq_s"], worker)):
+        out[name] = v / cap
+    return out
 
 
 def _stats(values: Iterable[float | None]) -> dict[str, float | None]:
@@ -584,6 +610,7 @@ def loop_comparison(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
         both = {name: {"static": r.get(name), "streaming": m.get(name)} for name in (
             "occupancy", "staleness_mean", "regenerated_frac", "trainer_idle", "worker_idle", "gen_capacity",
             "train_capacity", "train_s_per_token", "load_avg_1m")}
+        split = {name: m.get(name) for name in (*OCCUPANCY_SPLIT, "outside_poll")}
         out.append({"max_staleness": p["max_staleness"], "workers": p["workers"],
                     "rollouts_per_s": {"static": r["rollouts_per_s"], "streaming": m["rollouts_per_s"]},
                     "streaming_over_static": _ratio(m["rollouts_per_s"], r["rollouts_per_s"]),
@@ -594,7 +621,8 @@ def loop_comparison(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     **both,
                     "inflight_pause_s": {"p50": m["inflight_pause_p50_s"], "p99": m["inflight_pause_p99_s"]},
                     "resubmitted_frac": m["resubmitted_frac"],
-                    "leases_held": m.get("leases_held")})
+                    "leases_held": m.get("leases_held"),
+                    "occupancy_split": split})
     return out
 
 
@@ -618,6 +646,18 @@ def comparison_table(rows: list[dict[str, Any]]) -> str:
                      f"{_fmt(c['occupancy']['static'], '10.2f')} {_fmt(c['occupancy']['streaming'], '10.2f')} "
                      f"{pause:>16} {pair(c, 'regenerated_frac', '.2f'):>13} {pair(c, 'trainer_idle', '.2f'):>14} "
                      f"{_fmt(c.get('leases_held'), '6.1f')} {pair(c, 'load_avg_1m', '.1f'):>11}")
+    return "\n".join(lines)
+
+
+def split_table(rows: list[dict[str, Any]]) -> str:
+    """One line per (k, w): the streaming engines' available slot-time by cause (``OCCUPANCY_SPLIT``) and the share
+    of their busy time the worker spent outside ``poll``."""
+    names = (*OCCUPANCY_SPLIT, "outside_poll")
+    head = f"{'k':>3} {'w':>3} " + " ".join(f"{n.removeprefix('occ_'):>12}" for n in names)
+    lines = [head, "-" * len(head)]
+    for c in rows:
+        lines.append(f"{c['max_staleness']:>3} {c['workers']:>3} "
+                     + " ".join(_fmt(c["occupancy_split"][n], "12.3f") for n in names))
     return "\n".join(lines)
 
 
@@ -897,6 +937,9 @@ def main(argv: list[str] | None = None) -> int:
     if comparison:
         print("streaming vs static (same staleness, same engine, same run):")
         print(comparison_table(comparison))
+        if any(c["occupancy_split"]["occ_busy"] is not None for c in comparison):
+            print("streaming engines' slot-time (busy = occupancy; the rest: why rows were not busy):")
+            print(split_table(comparison))
     for p in points:
         for note in p["notes"]:
             print(f"note (k={p['max_staleness']}, w={p['workers']}): {note}")

@@ -91,6 +91,15 @@ class StreamingLoop:
         self._last_report = 0.0
         self.leases_held_s = 0.0
         """Leases held (in flight or waiting) integrated over time: status ``leases_held_s``."""
+        self.poll_s = 0.0
+        """Seconds in ``engine.poll`` (status ``poll_s``): ``busy_s - poll_s`` is the time the main thread held an
+        engine with work outside it (rewards, sends, weights, admissions), when an engine without its own thread
+        does not decode."""
+        self.idle_seq_s = {"no_lease": 0.0, "slots_full": 0.0}
+        """Engine rows free with nothing queued during a poll (the engine's ``idle_empty_seq_s`` grown over it), by
+        the worker's state in it: ``slots_full`` (all ``slots`` leases in the engine: too few slots for the width)
+        or ``no_lease`` (fewer: the pool granted no more, i.e. the staleness window, ``capacity`` or a trainer that
+        lets the buffer fill). The rest of ``idle_empty_seq_s`` accrued outside ``poll`` (the worker's own time)."""
 
     def run(self) -> None:
         w = self.w
@@ -109,7 +118,7 @@ class StreamingLoop:
                 self._admit(lease)
             self._submit_waiting()
             if self.in_flight and w.engine.in_flight():
-                self._finished(w.engine.poll(ADMIT_POLL_S if free > 0 else POLL_S))
+                self._finished(self._poll(ADMIT_POLL_S if free > 0 else POLL_S))
             elif self.in_flight:  # the engine holds none of them: an engine bug; never spin, never lose a lease
                 self._lost()
             elif self.waiting:
@@ -121,6 +130,26 @@ class StreamingLoop:
             if time.perf_counter() - self._last_report > REPORT_S:
                 self._last_report = time.perf_counter()
                 w._report()
+
+    def _poll(self, timeout: float) -> list[Finished]:
+        e = self.w.engine
+        before = e.occupancy().get("idle_empty_seq_s")
+        t0 = time.perf_counter()
+        finished = e.poll(timeout)
+        self.poll_s += time.perf_counter() - t0
+        if before is not None:
+            cause = "slots_full" if len(self.in_flight) >= self.slots else "no_lease"
+            self.idle_seq_s[cause] += e.occupancy()["idle_empty_seq_s"] - before
+        return finished
+
+    def status(self, occupancy: dict[str, float]) -> dict[str, float]:
+        """The loop's worker-status keys (with the engine's idle/pause split of ``occupancy``, where it has one)."""
+        out = {"leases_held_s": round(self.leases_held_s, 4),  # mean held: its growth / uptime_s's
+               "poll_s": round(self.poll_s, 4)}
+        if "idle_empty_seq_s" in occupancy:
+            out |= {f"idle_{k}_seq_s": round(v, 4) for k, v in self.idle_seq_s.items()}
+            out |= {k: round(occupancy[k], 4) for k in ("idle_queued_seq_s", "idle_empty_seq_s", "pause_seq_s")}
+        return out
 
     # -- admission -------------------------------------------------------------------------------------------
 

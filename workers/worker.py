@@ -172,7 +172,7 @@ class RolloutWorker:
             status["capacity_seq_s"] = round(occupancy["capacity_seq_s"], 4)
         if self.streaming:
             status["groups_resubmitted"] = self.groups_resubmitted
-            status["leases_held_s"] = round(self._loop.leases_held_s, 4)  # mean held: its growth / uptime_s's
+            status.update(self._loop.status(occupancy))  # leases held, time in poll, the engine's idle rows by cause
             status["inflight_updates"] = self.inflight_updates
             if self.inflight_pauses:
                 pauses = sorted(self.inflight_pauses)

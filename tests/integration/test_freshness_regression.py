@@ -111,6 +111,25 @@ def test_analysis_of_a_known_pipeline():
 
 
 @pytest.mark.integration
+def test_occupancy_split_of_a_streaming_worker():
+    """The streaming engine's slot-time by cause (OCCUPANCY_SPLIT) adds up to 1; outside_poll is the share of the
+    worker's busy time not spent in engine.poll."""
+    from benchmarks.freshness import OCCUPANCY_SPLIT, analyze
+
+    rows = _rows(4)
+    assert all(analyze(rows, warmup=1, group_size=4)[k] is None for k in (*OCCUPANCY_SPLIT, "outside_poll"))
+    per_step = {"busy_seq_s": 6.0, "capacity_seq_s": 10.0, "pause_seq_s": 1.0, "idle_queued_seq_s": 0.5,
+                "idle_empty_seq_s": 2.5, "idle_no_lease_seq_s": 1.0, "idle_slots_full_seq_s": 1.0, "poll_s": 1.2}
+    for r in rows:
+        r["pipeline"]["workers"]["w0"] |= {k: v * r["step"] for k, v in per_step.items()}
+    m = analyze(rows, warmup=1, group_size=4)
+    expected = {"occ_busy": 0.6, "occ_pause": 0.1, "occ_admission": 0.05, "occ_no_lease": 0.1, "occ_slots_full": 0.1,
+                "occ_worker": 0.05, "outside_poll": 0.2, "occupancy": 0.6}
+    assert {k: pytest.approx(v) for k, v in expected.items()} == {k: m[k] for k in expected}
+    assert sum(m[k] for k in OCCUPANCY_SPLIT) == pytest.approx(1.0)
+
+
+@pytest.mark.integration
 def test_baseline_bands():
     from benchmarks.freshness import baseline_ratios, compare_to_baseline
 

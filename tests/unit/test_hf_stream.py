@@ -65,6 +65,12 @@ def span_diffs(models: dict[int, torch.nn.Module], completions: list[list[Comple
     return out
 
 
+def assert_slot_time_adds_up(occ: dict[str, float]) -> None:
+    """Available slot-time = busy + in-flight pause + free rows (queued/prefilling, or nothing queued)."""
+    parts = occ["busy_seq_s"] + occ["pause_seq_s"] + occ["idle_queued_seq_s"] + occ["idle_empty_seq_s"]
+    assert parts == pytest.approx(occ["capacity_seq_s"], rel=1e-6, abs=1e-6), occ
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 
 
@@ -82,6 +88,9 @@ def test_short_group_delivered_before_long_one_finishes(model_dir):
     assert [c.response_ids.numel() for c in rest[1].completions] == [24, 24]
     occ = engine.occupancy()
     assert 0 < occ["busy_seq_s"] <= occ["capacity_seq_s"]
+    # one request of 2 rows in 4 slots, then the other's 2 alone: free rows with nothing queued
+    assert occ["idle_empty_seq_s"] > 0 and occ["pause_seq_s"] == 0
+    assert_slot_time_adds_up(occ)
 
 
 @pytest.mark.parametrize("lengths", ["natural", "long_tail"])
@@ -166,8 +175,41 @@ def test_weight_update_in_flight_keep(model_dir):
     diffs = span_diffs({0: v0, 1: v1}, completions)
     print(f"max |dlogp| per span: {diffs}")
     assert set(diffs) == {0, 1} and max(diffs.values()) <= TOL
+    occ = engine.occupancy()  # the re-prefill held 4 running rows: the pause is its own share of the slot-time
+    assert occ["pause_seq_s"] > 0 and occ["idle_queued_seq_s"] >= 0
+    assert_slot_time_adds_up(occ)
     # the old weights do not explain the new spans: the update really changed what was sampled from
     assert span_diffs({1: v0}, completions)[1] > 1e-3
+
+
+def test_weight_update_in_flight_keep_cache(model_dir):
+    """keep_cache: no re-prefill (no pause); spans change at the update exactly as with keep; the old span is the
+    old weights' to 1e-5, the new span the new weights' on the old weights' cache: not the trainer's recomputation
+    under the new version (the documented approximation)."""
+    engine = make_engine(model_dir, ignore_eos=True, max_new_tokens=20, max_num_seqs=4)
+    engine.weights_in_flight = "keep_cache"
+    v0 = load_model(model_dir)
+    new_state = perturbed(v0)
+    v1 = load_model(model_dir)
+    v1.load_state_dict(new_state)
+    for i in range(3):
+        engine.submit(i, request(i, max_new_tokens=20))
+    for _ in range(5):
+        engine.poll(0.0)
+    engine.apply_weights(WeightUpdate(version=1, mode="full", tensors=new_state))
+    got = drain(engine)
+    completions = [got[k].completions for k in range(3)]
+    for c in completions[0] + completions[1]:
+        (v_a, s_a, e_a), (v_b, s_b, e_b) = c.version_spans
+        assert (v_a, s_a, v_b, e_b) == (0, 0, 1, 20) and e_a == s_b and 0 < s_b < 20 and c.policy_version == 0
+    assert all(c.version_spans == [] and c.policy_version == 1 for c in completions[2])
+    assert span_diffs({0: v0}, completions)[0] <= TOL
+    new_span = span_diffs({1: v1}, completions)[1]  # top-k: a token may even lie outside v1's top k (inf)
+    print(f"new span max |dlogp| against v1's recomputation: {new_span:.2e}")
+    assert new_span > TOL
+    occ = engine.occupancy()
+    assert occ["pause_seq_s"] == 0
+    assert_slot_time_adds_up(occ)
 
 
 def test_weight_update_in_flight_abort(model_dir):

@@ -101,6 +101,9 @@ def test_config_streaming_fields_are_checked():
     assert WorkerConfig().streaming is False and WorkerConfig().weights_in_flight == "keep"
     with pytest.raises(ValueError, match="weights_in_flight"):
         WorkerConfig(streaming=True, weights_in_flight="drop")  # type: ignore[arg-type]
+    assert WorkerConfig(streaming=True, weights_in_flight="keep_cache", engine=EngineConfig(type="hf"))
+    with pytest.raises(ValueError, match="keep_cache.*vLLM's keep recomputes"):  # vLLM recomputes: no such mode
+        WorkerConfig(streaming=True, weights_in_flight="keep_cache", engine=EngineConfig(type="vllm"))
     with pytest.raises(ValueError, match="replaces worker.interrupt_every_tokens"):
         WorkerConfig(streaming=True, interrupt_every_tokens=8)
     with pytest.raises(ValueError, match="max_num_seqs"):

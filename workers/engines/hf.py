@@ -316,7 +316,7 @@ class HFEngine(Engine):
         out = {"busy_seq_s": self._static_busy_s, "capacity_seq_s": self._static_capacity_s}
         if self._stream is not None:
             for k, v in self._stream.occupancy().items():
-                out[k] += v
+                out[k] = out.get(k, 0.0) + v  # the scheduler's idle/pause split too (workers.streaming reports it)
         return out
 
     def encode(self, text: str) -> list[int]:

@@ -14,6 +14,10 @@
     apply_weights between two polls (the worker's main thread; nothing decodes meanwhile):
         keep    the running rows' cache is recomputed under the new weights (prompt + tokens so far,
                 re-prefilled), so every later token is what the new policy samples after that prefix
+        keep_cache  the cache the old weights computed stays (no re-prefill: the pause is the weight load alone); later
+                tokens are sampled by the new weights attending to the old weights' keys/values of the prefix,
+                carry the new version, and their logprobs are that mixed forward's (what sampled them; the trainer's
+                recomputation under the new weights differs by the update's effect on the prefix's cache)
         abort   requests with a sequence running or done come back as Finished(aborted=True); ones still
                 wholly queued stay (they will decode wholly under the new weights)
 
@@ -138,6 +142,14 @@ class StreamScheduler:
         """Wall seconds with a sequence running or queued (times W in :meth:`occupancy`)."""
         self.widest = 0
         self._work_since: float | None = None
+        self.idle_seq_s = {"queued": 0.0, "empty": 0.0}
+        """Free rows (W - running) x seconds while the engine had work: ``queued`` while sequences waited in the queue
+        or were being prefilled (admission batching, ``ADMIT_FRACTION``), ``empty`` with nothing queued (the worker
+        submitted nothing more)."""
+        self.pause_seq_s = 0.0
+        """Running rows x seconds of in-flight re-prefills (keep mode): the pause, counted neither busy nor idle."""
+        self._admitting = 0
+        self._tick_at = 0.0
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -167,6 +179,7 @@ class StreamScheduler:
             gen = torch.Generator(device=e.device).manual_seed(int(seed.generate_state(1, dtype=np.uint64)[0] >> 1))
             r.seqs.append(_Seq(request=r, sample=s, limit=limit, target=target, generator=gen))
         self.requests[key] = r
+        self._tick(time.perf_counter())
         self.queue.extend(r.seqs)
         self._mark_work(time.perf_counter())
 
@@ -188,12 +201,14 @@ class StreamScheduler:
         return out
 
     def occupancy(self) -> dict[str, float]:
+        self._tick(time.perf_counter())
         capacity = self.capacity_s
         if self._work_since is not None:
             capacity += time.perf_counter() - self._work_since
         width = self.limit or self.widest
         busy = self.busy_s + sum(time.perf_counter() - s.started - s.pause_s for s in self.rows if s.finish is None)
-        return {"busy_seq_s": busy, "capacity_seq_s": capacity * width}
+        return {"busy_seq_s": busy, "capacity_seq_s": capacity * width, "idle_queued_seq_s": self.idle_seq_s["queued"],
+                "idle_empty_seq_s": self.idle_seq_s["empty"], "pause_seq_s": self.pause_seq_s}
 
     # -- weights --------------------------------------------------------------------------------------
 
@@ -203,18 +218,25 @@ class StreamScheduler:
         if mode == "abort":
             self._abort_started()
             return
-        if mode != "keep":
-            raise ValueError(f"engine.weights_in_flight={mode!r} must be 'keep' or 'abort'")
+        if mode not in ("keep", "keep_cache"):
+            raise ValueError(f"engine.weights_in_flight={mode!r} must be 'keep', 'keep_cache' or 'abort'")
+        if mode == "keep_cache":  # the old weights' cache stays: later tokens are the new weights' on it
+            self._new_spans(version)
+            return
         with torch.inference_mode():
             self._compact()
             if self.rows:
                 self._reprefill(version)
 
+    def _new_spans(self, version: int) -> None:
+        """The running rows' next tokens are ``version``'s (their last sampled token is already the old one's)."""
+        for s in self.rows:
+            if s.finish is None and s.spans[-1][0] != version:  # a reload of the same version continues its span
+                s.spans.append([version, len(s.tokens), len(s.tokens)])
+
     def _reprefill(self, version: int) -> None:
         t0 = time.perf_counter()
-        for s in self.rows:
-            if s.spans[-1][0] != version:  # a reload of the same version continues its span
-                s.spans.append([version, len(s.tokens), len(s.tokens)])
+        self._new_spans(version)
         # The last sampled token is not in the cache yet (it is the next step's input): prefill all before it.
         seqs = [torch.cat([s.request.prompt_ids.long(), torch.tensor(s.tokens[:-1], dtype=torch.long)])
                 for s in self.rows]
@@ -225,6 +247,7 @@ class StreamScheduler:
         pause = time.perf_counter() - t0
         for s in self.rows:
             s.pause_s += pause
+        self.pause_seq_s += pause * sum(s.finish is None for s in self.rows)
 
     def _abort_started(self) -> None:
         started = {s.request for s in self.rows}
@@ -243,7 +266,9 @@ class StreamScheduler:
         if self.live and self.limit is not None and free < min(max(1, int(self.limit * ADMIT_FRACTION)), len(self.queue)):
             return  # a prefill is a forward pass of its own: wait until a few rows are free (module docstring)
         self._compact()
+        self._tick(time.perf_counter())
         new = [self.queue.popleft() for _ in range(free)]
+        self._admitting = len(new)  # free rows stay "queued" while these prefill
         try:
             prefilled = [(new, *self._prefill([s.request.prompt_ids.long() for s in new]))]
         except Exception:  # deliberate fault tolerance: find the request(s) at fault, prefill the others
@@ -256,10 +281,13 @@ class StreamScheduler:
                     self._fail({r}, e)
         for group in prefilled:
             self._start(*group)
+        self._admitting = 0
 
     def _start(self, new: list[_Seq], cache, mask: torch.Tensor, logits: torch.Tensor) -> None:
         """Makes prefilled ``new`` running rows and samples their first tokens."""
         now = time.perf_counter()
+        self._tick(now)
+        self._admitting = max(0, self._admitting - len(new))
         for s in new:
             s.started = now
             s.spans.append([self.engine.policy_version, 0, 0])
@@ -356,6 +384,7 @@ class StreamScheduler:
         if not done:
             return
         now = time.perf_counter()
+        self._tick(now)
         for s in done:
             self.busy_s += now - s.started - s.pause_s
         self.live -= len(done)
@@ -394,6 +423,7 @@ class StreamScheduler:
     def _drop(self, requests: set[_Request]) -> None:
         """Removes every sequence of ``requests`` from the batch and the queue (busy time up to now is counted)."""
         now = time.perf_counter()
+        self._tick(now)
         for s in self.rows:
             if s.request in requests and s.finish is None:
                 self.busy_s += now - s.started - s.pause_s
@@ -401,8 +431,17 @@ class StreamScheduler:
         self.queue = deque(s for s in self.queue if s.request not in requests)
         self._mark_work(now)
 
+    def _tick(self, now: float) -> None:
+        """Adds the free rows since the last tick to ``idle_seq_s``; call it before ``live`` or the queue change."""
+        if self._work_since is not None:
+            free = (self.limit or self.widest) - self.live
+            if free > 0:
+                self.idle_seq_s["queued" if self.queue or self._admitting else "empty"] += free * (now - self._tick_at)
+        self._tick_at = now
+
     def _mark_work(self, now: float) -> None:
         """Opens or closes the capacity interval as the engine gains its first or loses its last sequence."""
+        self._tick(now)
         working = bool(self.live or self.queue)
         if working and self._work_since is None:
             self._work_since = now
