@@ -1,9 +1,9 @@
 """The trained policy wrapped for data parallelism: DDP replicas or FSDP2 shards (per decoder layer, then the root).
 
-``parallelize(policy, "ddp" | "fsdp2", device)`` returns the module to train; the guard (:mod:`asyncrl.guard`),
-the checkpointer (:mod:`asyncrl.checkpoint`) and the publishable state (:mod:`asyncrl.weights.state`) accept
-either. A peft model is sharded through its base model's layers. Needs an initialised process group; DDP
-and FSDP2 block in their collectives during ``backward`` (every rank steps together).
+``parallelize(policy, "ddp" | "fsdp2", device)`` returns the module to train (``ddp`` at world size 1: the policy
+itself); the guard (:mod:`asyncrl.guard`), the checkpointer (:mod:`asyncrl.checkpoint`) and the publishable state
+(:mod:`asyncrl.weights.state`) accept either. A peft model is sharded through its base model's layers. Needs an
+initialised process group; DDP and FSDP2 block in their collectives during ``backward`` (every rank steps together).
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ def parallelize(policy: torch.nn.Module, parallel: Literal["ddp", "fsdp2"], devi
         return fully_shard(policy)
     if parallel != "ddp":
         raise ValueError(f"train.parallel={parallel!r} must be 'ddp' or 'fsdp2'")
+    if torch.distributed.get_world_size() == 1:  # no replica to average with: DDP's hooks cost ~10% of fwd+bwd on CPU
+        return policy
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     # a vision-language model has parameters a step may not use: text-only rows skip the vision tower, and LLaVA

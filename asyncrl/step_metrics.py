@@ -1,11 +1,12 @@
 """What a trainer step logs: batch and loss statistics over all ranks, and the pipeline's cumulative counters.
 
-:func:`batch_stats` all-reduces one step's reward mean, staleness (mean, max, histogram) and token count
-over the process group; :func:`global_metrics` turns each rank's ``loss/*`` and ``mismatch/*`` metrics
-(:func:`asyncrl.losses.compute_loss`, :func:`asyncrl.losses.mismatch_metrics`) into the values of the whole step,
-each mean weighted by the count it is a mean over (:data:`STEP_METRIC_WEIGHTS`), so that a step logs the same
-numbers at 1 and N ranks. Both are collectives: every rank calls each once per step, and blocks in it until all
-have (a rank whose metrics have other names fails there, naming them, instead of mixing them up).
+:func:`batch_stats` all-reduces one step's reward mean, staleness (mean, max, histogram) and token count over
+the process group (no collective at world size 1); :func:`global_metrics` turns each rank's ``loss/*`` and
+``mismatch/*`` metrics (:func:`asyncrl.losses.compute_loss`, :func:`asyncrl.losses.mismatch_metrics`) into the
+values of the whole step, each mean weighted by the count it is a mean over (:data:`STEP_METRIC_WEIGHTS`), so that a
+step logs the same numbers at 1 and N ranks. Both are collectives above world size 1: every rank calls each once per
+step, and blocks in it until all have (a rank whose metrics have other names fails there, naming them, instead
+of mixing them up).
 :func:`pipeline_counters` reads this rank's loader (pool, ledger, transport, what its workers report) and the
 weight broadcaster's counters, without blocking on anything but the loader's lock. All return the keys
 ``metrics.jsonl`` carries (``recipes/grpo.py``; the freshness benchmark and ``asyncrl report`` read them).
@@ -43,7 +44,8 @@ def batch_stats(rewards: torch.Tensor, staleness: torch.Tensor, num_tokens: int,
                           float(staleness.max()), float(num_tokens)], device=device)
     summed, top = stats.clone(), stats[3:4].clone()
     hist = torch.bincount(staleness.long().clamp(0, MAX_LAG_BIN), minlength=MAX_LAG_BIN + 1).to(device)
-    if dist.is_available() and dist.is_initialized():
+    # at world size 1 the three collectives are each rank's own values (gloo still costs ~1-2 ms per step on CPU)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(summed)
         dist.all_reduce(top, op=dist.ReduceOp.MAX)
         dist.all_reduce(hist)
