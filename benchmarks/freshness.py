@@ -46,6 +46,14 @@ should span many seconds):
 * ``leases_held`` (streaming workers): mean leases held per worker, Δ``leases_held_s`` / Δ``uptime_s``;
   ``train_s_per_token``: sum ``train_s`` / batch tokens; ``load_avg_1m``: the machine's 1-minute load when the run
   ended (loops run point by point, interleaved, so both sides of a comparison see the same drift).
+* ``occupancy`` = busy slot-time / available slot-time of the engines (``Engine.occupancy``: a sequence is busy from
+  the moment it gets a running slot to its own last token, less in-flight pauses; available = ``max_num_seqs`` x the
+  seconds the engine had work). Streaming HF workers also split the available slot-time by cause
+  (``OCCUPANCY_SPLIT``, summing to 1: ``occ_busy`` = occupancy, ``occ_pause``, ``occ_admission``, ``occ_no_lease``,
+  ``occ_slots_full``, ``occ_worker``), and ``outside_poll`` is the share of their busy time the worker's main
+  thread spent outside ``engine.poll`` (rewards, sends, weights: the HF engine does not decode then, yet its
+  running rows count busy). ``inflight_pause_p50_s``/``_p99_s``: ``engine.apply_weights`` with requests in flight
+  (each worker's p50 over its run, the median over workers; the max of their p99s).
 * the bound: generation capacity ``G`` = Δ``rollouts_sent`` / (Δ``busy_s`` / workers), the aggregate
   rollouts/s with every worker always busy; training capacity ``T`` = rollouts / sum(``train_s`` +
   ``publish_s``), the rollouts/s of a trainer that never waits. Ideal pipelined throughput is

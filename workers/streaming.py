@@ -17,7 +17,10 @@ at once; a slot freed by a finished group is refilled with the next lease at onc
 worker every free credit, not in halves: ``streaming`` in HELLO). How full the slots are is in the status:
 ``leases_held_s`` integrates the leases held (in the engine or waiting for weights) over time, so its growth over
 the growth of ``uptime_s`` is the mean number held; below ``slots`` the pool did not grant more (its ``capacity``,
-or the staleness window: ``(max_staleness + 1) x batch_size`` groups leased or buffered per trainer rank).
+or the staleness window: ``(max_staleness + 1) x batch_size`` groups leased or buffered per trainer rank). ``poll_s``
+is the time in ``engine.poll``, and with an engine that splits its free rows (HF: ``idle_empty_seq_s``) the loop
+says why rows were free with nothing queued: ``idle_slots_full_seq_s`` (all ``slots`` leases inside),
+``idle_no_lease_seq_s`` (fewer: the pool granted no more), the rest accrued outside ``poll``.
 
 Version fencing is the engine's: every token carries the version of the weights that produced it
 (``Completion.version_spans``), a rollout's ``policy_version`` is its oldest token's, and the pool judges

@@ -51,7 +51,10 @@ or ``max_new_tokens`` does (finish ``length``).
 
 Occupancy (:meth:`~workers.engines.base.Engine.occupancy`): a sequence is busy from admission to its own last
 token, less in-flight weight-update pauses; capacity is W x the wall time any sequence was running or queued,
-W = ``engine.max_num_seqs``, or the most rows run at once so far when unset.
+W = ``engine.max_num_seqs``, or the most rows run at once so far when unset. The rest of the capacity is split by
+cause (``occupancy()`` keys): ``pause_seq_s`` (running rows held by a keep re-prefill), ``idle_queued_seq_s`` (free
+rows while sequences were queued or prefilling: the cost of batching admissions) and ``idle_empty_seq_s`` (free
+rows with nothing queued: the worker had submitted nothing more), so busy + pause + idle = capacity.
 """
 
 from __future__ import annotations
