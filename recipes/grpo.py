@@ -30,16 +30,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+if __name__ == "__main__":  # a rank: no cyclic collections over the heap the imports build (asyncrl._gc)
+    gc.disable()
+
 import torch
 import torch.distributed as dist
 
 from asyncrl import RolloutLoader
+from asyncrl._gc import freeze_import_heap
 from asyncrl.checkpoint import Checkpointer
 from asyncrl.codec import dumps_json
 from asyncrl.data import load_prompts, sft_batch
@@ -399,4 +404,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    freeze_import_heap()  # the imports are done: collect once, freeze what they built, collect from here on
     main()

@@ -3,12 +3,15 @@
 The parent's lifeline is armed before anything else is imported: a worker whose launcher dies while it
 is still importing torch or loading its engine exits within a fraction of a second (asyncrl.lifeline).
 With ``--await-argv`` the process was prestarted (workers.prestart): it imports first and reads its command line
-from stdin.
+from stdin. The cyclic garbage collector is off during the imports and the heap they built is then frozen
+(:mod:`asyncrl._gc`).
 """
 
+import gc
 import sys
 
 if __name__ == "__main__":
+    gc.disable()  # until the imports are done (asyncrl._gc)
     if "--parent-pid" in sys.argv[:-1]:
         from asyncrl.lifeline import die_with_parent
 
@@ -21,6 +24,12 @@ if __name__ == "__main__":
         argv = await_argv(argv, exit_on_early_eof=True)
         if argv is None:  # never used: the trainer closed our stdin or exited
             sys.exit(0)
+    else:  # a cold start (a restart, or a launcher without prestart) imports the same modules first
+        from workers.prestart import preload
+
+        preload(argv)
+    from asyncrl._gc import freeze_import_heap
     from asyncrl.cli import main
 
+    freeze_import_heap()
     main(["worker", *argv])

@@ -136,8 +136,6 @@ def await_argv(argv: list[str], *, exit_on_early_eof: bool = False) -> list[str]
         ValueError: the line is not ``{"argv": [str, ...], "env": {str: str}, "unset": [str, ...]}``.
     """
     engine = argv[argv.index("--preload") + 1] if "--preload" in argv[:-1] else "fake"
-    import importlib
-
     got_line: list[bytes] = []
 
     def read() -> None:
@@ -147,8 +145,7 @@ def await_argv(argv: list[str], *, exit_on_early_eof: bool = False) -> list[str]
 
     reader = threading.Thread(target=read, name="prestart-stdin", daemon=True)
     reader.start()
-    for name in _PRELOAD.get(engine, ()):
-        importlib.import_module(name)
+    _import(engine)
     reader.join()
     line = got_line[0]
     if not line.strip():
@@ -163,3 +160,23 @@ def await_argv(argv: list[str], *, exit_on_early_eof: bool = False) -> list[str]
     for k in unset:
         os.environ.pop(k, None)
     return args
+
+
+def preload(argv: list[str]) -> None:
+    """A cold worker's (``python -m workers`` without ``--await-argv``) imports of a prestarted one: the modules of
+    the engine type its ``--config-json`` names (the local launcher's argv), before its engine is built, so that
+    they are imported while the collector is off (:mod:`asyncrl._gc`). Without one, ``workers.worker`` alone."""
+    engine = "fake"
+    if "--config-json" in argv[:-1]:
+        try:
+            engine = json.loads(argv[argv.index("--config-json") + 1])["worker"]["engine"]["type"]
+        except (ValueError, KeyError, TypeError):  # the worker's own parsing names what is wrong with it
+            pass
+    _import(engine)
+
+
+def _import(engine: str) -> None:
+    import importlib
+
+    for name in _PRELOAD.get(engine, _PRELOAD["fake"]):
+        importlib.import_module(name)
