@@ -119,9 +119,10 @@ def test_sigkill_and_resume_trains_each_group_once_with_identical_losses(tmp_pat
     assert f"is in use by another run (pid {pids[0]} on " in out, out[-3000:]
     assert {rank: (run / f"pid-rank{rank}").read_text() for rank in (0, 1)} == pids  # it wrote nothing
     assert len(_metrics(run)) >= 5 and proc.poll() is None  # and the holder trains on, untouched
-    for rank in (0, 1):  # SIGKILL the trainer ranks mid-run; their workers notice and exit
-        os.kill(int(pids[rank]), signal.SIGKILL)
-    proc.communicate(timeout=120)
+    # SIGKILL torchrun's whole process group mid-run: the ranks (each in a session of its own, so the kill misses
+    # them) and their rollout workers must leave with it (asyncrl.lifeline; before: orphaned ranks trained on and
+    # moved latest). test_killing_torchrun_ends_its_ranks_and_their_workers (extended) kills a run that is not paused.
+    _kill_torchrun_and_expect_its_ranks_and_workers_gone(proc, {int(pid) for pid in pids.values()})
     assert (run / "checkpoints" / "latest").read_text() == "step-000004"
     assert max(r["step"] for r in _metrics(run)) >= 7  # steps 5-7 logged, then rolled back by the resume
     half_written = run / "checkpoints" / ".step-000008.tmp"  # what a crash in the middle of a save leaves
@@ -184,31 +185,37 @@ def test_a_kill_inside_the_final_save_resumes_from_a_complete_checkpoint(tmp_pat
 
 
 def test_guard_rejects_nan_batch_restores_exactly_and_dump_replays(tmp_path):
+    # one run, two rejections: step 3's NaN rewards (injected), step 4's NaN from a user loss.fn (REINFORCE, its
+    # metrics logged), which goes through the same guard (tests/integration/test_recipe_losses.py has it alone)
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from recipes.grpo import load_config, replay_rejection
 
-    overrides = ["train.steps=4", "guard.inject_nan_at_step=3", "checkpoint.every=1", "checkpoint.keep=10", *SMALL]
+    overrides = ["train.steps=4", "guard.inject_nan_at_step=3", "checkpoint.every=1", "checkpoint.keep=10", *SMALL,
+                 "loss.fn=tests.integration.test_recipe_losses:nan_on_the_fourth_step"]
     run = tmp_path / "run"
     _finish(_torchrun(run, *overrides))
     assert not (run / "report.png").exists() and not (run / "report").exists()  # debug.report=false (_torchrun's)
     rows = {r["step"]: r for r in _metrics(run)}
-    assert not rows[3]["accepted"] and "non-finite" in rows[3]["guard_reason"]
-    assert [rows[s]["policy_version"] for s in (1, 2, 3, 4)] == [1, 2, 2, 3]
+    assert [rows[s]["accepted"] for s in (1, 2, 3, 4)] == [True, True, False, False]
+    assert "non-finite" in rows[3]["guard_reason"] and "non-finite" in rows[4]["guard_reason"]
+    assert rows[1]["loss/tokens"] > 0  # the user loss's own metrics
+    assert [rows[s]["policy_version"] for s in (1, 2, 3, 4)] == [1, 2, 2, 2]
 
     def state(step: int) -> dict:
         dcp_to_torch_save(str(run / "checkpoints" / f"step-{step:06d}"), str(tmp_path / f"s{step}.pt"))
         return torch.load(tmp_path / f"s{step}.pt", weights_only=False)
 
-    before, after = state(2), state(3)
-    for section in ("model", "optim"):
-        flat_b, flat_a = _flatten(before[section]), _flatten(after[section])
-        assert flat_b.keys() == flat_a.keys()
-        for key in flat_b:
-            if isinstance(flat_b[key], torch.Tensor):
-                assert torch.equal(flat_b[key], flat_a[key]), f"{section}.{key} changed by a rejected update"
-            else:
-                assert flat_b[key] == flat_a[key], f"{section}.{key}"
+    for before, after in ((state(2), state(3)), (state(3), state(4))):  # each rejected update restored bit for bit
+        for section in ("model", "optim"):
+            flat_b, flat_a = _flatten(before[section]), _flatten(after[section])
+            assert flat_b.keys() == flat_a.keys()
+            for key in flat_b:
+                if isinstance(flat_b[key], torch.Tensor):
+                    assert torch.equal(flat_b[key], flat_a[key]), f"{section}.{key} changed by a rejected update"
+                else:
+                    assert flat_b[key] == flat_a[key], f"{section}.{key}"
+    assert sorted((run / "dumps").glob("step-000004-rank*.msgpack"))  # the user loss's rejected batch, dumped
     dumps = sorted((run / "dumps").glob("step-000003-rank*.msgpack"))
     assert len(dumps) == 2
     cfg = load_config(str(CONFIG), [f"run_dir={run}", *overrides])
@@ -226,6 +233,13 @@ def _flatten(tree, prefix: str = "") -> dict:
     return out
 
 
+def test_lora_syncs_only_the_adapter(tmp_path):
+    run = tmp_path / "run"
+    _finish(_torchrun(run, "lora.rank=8", "train.lr=0.003", "train.steps=4", "checkpoint.every=0", *SMALL))
+    _assert_only_the_adapter_was_sent(run, _metrics(run))
+
+
+@pytest.mark.extended  # make test: the adapter-only sync above (4 steps); full fine-tuning learns in the first test
 def test_lora_syncs_only_the_adapter_and_learns(tmp_path):
     run = tmp_path / "run"
     # 60 steps (a prefix of the 90 this test ran before: constant learning rate after warm-up): 0.579 -> 0.647
@@ -234,6 +248,12 @@ def test_lora_syncs_only_the_adapter_and_learns(tmp_path):
     first, last = statistics.mean(r["reward_mean"] for r in rows[:15]), statistics.mean(r["reward_mean"] for r in rows[-30:])
     print(f"LoRA reward: first 15 steps {first:.3f}, last 30 steps {last:.3f}")
     assert last > first + 0.04, f"LoRA reward did not rise: {first:.3f} -> {last:.3f}"
+    _assert_only_the_adapter_was_sent(run, rows)
+
+
+def _assert_only_the_adapter_was_sent(run: Path, rows: list[dict]) -> None:
+    """Every accepted step published the rank-8 adapter's bytes, under a fifth of the full model's."""
+    assert rows and any(r["accepted"] for r in rows)
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
@@ -297,6 +317,31 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _kill_torchrun_and_expect_its_ranks_and_workers_gone(proc: subprocess.Popen, ranks: set[int]) -> set[int]:
+    """SIGKILLs torchrun's process group (``_torchrun`` starts it in a session of its own) and asserts that the ranks
+    and every rollout worker they started are gone within 30 s; returns the workers' pids."""
+    workers = set().union(*(_descendants(pid) for pid in ranks))
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()  # not communicate(): orphaned ranks would hold its stdout open
+    survivors = ranks | workers
+    try:
+        assert len(workers) >= len(ranks), f"expected a rollout worker per rank, found {workers}"
+        deadline = time.monotonic() + 30
+        while any(map(_alive, survivors)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = {pid for pid in survivors if _alive(pid)}
+        assert not left, f"still running {time.monotonic() - deadline + 30:.0f} s after torchrun was killed: {left}"
+    finally:
+        for pid in survivors:  # what we started, by pid, if the lifeline failed
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.stdout.close()
+    print(f"ranks {sorted(ranks)} and workers {sorted(workers)} gone")
+    return workers
+
+
+@pytest.mark.extended  # make test: test_sigkill_and_resume_... kills torchrun's process group the same way, paused at
+# step 7, with the same check (ranks and workers gone within 30 s), then resumes the run
 def test_killing_torchrun_ends_its_ranks_and_their_workers(tmp_path):
     # torchrun starts each rank in a session of its own: SIGKILL of torchrun's process group used to leave both
     # ranks and their rollout workers training on (69 more steps in one run, latest moved from 40 to 130)

@@ -40,15 +40,28 @@ def test_beta_trains_against_a_reference_model_and_logs_kl_and_reward_components
 CALLS = [0]
 
 
-def nan_on_the_third_step(batch, logprobs, *, advantages):
-    """A user loss (REINFORCE over response tokens) that returns NaN on its third call (the third step)."""
+def _reinforce(batch, logprobs, advantages, nan_at_call: int):
+    """A user loss (REINFORCE over response tokens) that returns NaN on its ``nan_at_call``-th call in this process."""
     CALLS[0] += 1
     mask = batch["loss_mask"]
     per_token = torch.where(mask, -advantages[:, None] * logprobs, torch.zeros((), device=logprobs.device))
     loss = per_token.sum() / mask.sum().clamp(min=1)
-    return (loss * math.nan if CALLS[0] == 3 else loss), {"tokens": float(mask.sum())}
+    return (loss * math.nan if CALLS[0] == nan_at_call else loss), {"tokens": float(mask.sum())}
 
 
+def nan_on_the_third_step(batch, logprobs, *, advantages):
+    """The user loss of the test below: NaN on the third step."""
+    return _reinforce(batch, logprobs, advantages, nan_at_call=3)
+
+
+def nan_on_the_fourth_step(batch, logprobs, *, advantages):
+    """The user loss of test_recipe.py's guard test (whose step 3 the injected NaN rewards reject): NaN on step 4."""
+    return _reinforce(batch, logprobs, advantages, nan_at_call=4)
+
+
+# make test: test_recipe.py::test_guard_rejects_nan_batch_restores_exactly_and_dump_replays trains with
+# nan_on_the_fourth_step in the same torchrun run (2 ranks) and checks the same: rejected, metrics logged, bit for bit
+@pytest.mark.extended
 def test_a_user_loss_passes_through_the_guard(tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
