@@ -53,6 +53,8 @@ def test_loads_and_generates_in_transformers(tiny_chat_model):
 
 @pytest.mark.integration
 @pytest.mark.vllm
+@pytest.mark.extended  # make test: tests/integration/test_data_engines.py's vLLM test loads numba first the same way,
+# then generates from this model and checks its logprobs (one vLLM start-up, ~20 s, instead of two)
 def test_loads_and_generates_in_vllm(tiny_chat_model):
     """Also in a process that has loaded numba first (the delta kernels warm up in every broadcaster/receiver with
     deltas): vLLM's start-up scan of every module's namespace used to fail on llvmlite's lazy library object
