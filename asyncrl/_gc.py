@@ -19,12 +19,17 @@ import gc
 __all__ = ["freeze_import_heap"]
 
 
-def freeze_import_heap() -> None:
-    """Collects once, freezes every object alive (``gc.freeze``) and re-enables the collector.
+def freeze_import_heap(*modules: str) -> None:
+    """Imports ``modules`` (what the entry point would import lazily later, e.g. ``transformers.modeling_utils``),
+    collects once, freezes every object alive (``gc.freeze``) and re-enables the collector.
 
     Call it after the imports, before the run allocates anything large: objects frozen here are only freed by
     reference counting from then on (a module's objects, which live as long as the process anyway).
     """
+    import importlib
+
+    for name in modules:
+        importlib.import_module(name)
     gc.collect()
     gc.freeze()
     gc.enable()

@@ -404,5 +404,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    freeze_import_heap()  # the imports are done: collect once, freeze what they built, collect from here on
+    # the imports are done (with the model classes set-up imports lazily): collect once, freeze what they built
+    freeze_import_heap("transformers.modeling_utils", "transformers.generation.utils")
     main()
