@@ -67,12 +67,18 @@ RECIPE_MODES: dict[str, dict[str, Any]] = {
     "async1": {"max_staleness": 1, "workers": 1, "steps_per_batch": 1},
     "async1_b2": {"max_staleness": 1, "workers": 1, "steps_per_batch": 2},
     "async1_w2": {"max_staleness": 1, "workers": 2, "steps_per_batch": 1},
+    "sync_t2": {"max_staleness": 0, "workers": 1, "steps_per_batch": 1, "threads": 2,
+                "env": {"OMP_WAIT_POLICY": "PASSIVE"}},
 }
 """The recipe (``torchrun --nproc-per-node 1``): ``sync`` at max_staleness=0 with one local worker; ``async1`` at
 max_staleness=1, as it was measured first; ``async1_b2``: one worker whose ``generate`` takes two steps' groups
 (``rollout.worker.slots`` = ``max_batch`` = 2 x prompts per step: the in-flight bound at max_staleness=1 is exactly
 that, and the tiny model's batch of 64 rows costs ~1.3x one of 32); ``async1_w2``: two local workers of one step's
-groups each (the trainer's core is mostly idle at max_staleness=1)."""
+groups each (the trainer's core is mostly idle at max_staleness=1); ``sync_t2``: ``sync`` with a 2-thread trainer
+(``train.threads``: at max_staleness=0 trainer and worker take turns, so the worker's core idles while the trainer
+steps) whose OpenMP threads sleep at once after each parallel region (``OMP_WAIT_POLICY=PASSIVE``) instead of spinning
+into the worker's turn (without it, at load 4-5, a 2-thread trainer's step took 1.1-1.6 s instead of 0.03-0.04 s;
+with it 0.04-0.07 s: each parallel region waited for a thread the kernel had descheduled)."""
 MODES = (*TRL_MODES, *RECIPE_MODES)
 DEFAULT_MODES = ("trl", "trl1", "trl1_g2", "sync", "async1", "async1_b2", "async1_w2")
 
@@ -138,7 +144,7 @@ def engine_child(args: argparse.Namespace) -> None:
     import torch
 
     from asyncrl.config import EngineConfig
-    from workers.engines.base import GenerationRequest, build_engine
+    from workers.engines.base import build_engine
     from workers.engines.hf import left_pad
     from workers.tasks import arithmetic_prompts
 
@@ -215,6 +221,8 @@ def recipe_overrides(args: argparse.Namespace, mode: str, run_dir: Path) -> list
            f"rollout.num_workers={settings['workers']}", f"rollout.worker.slots={slots}",
            f"rollout.worker.max_batch={slots}",
            f"data.num_prompts={args.num_prompts}", "checkpoint.every=0", "loss.beta=0.0"]
+    if settings.get("threads"):
+        out.append(f"train.threads={settings['threads']}")
     return out + list(args.set)
 
 
@@ -223,7 +231,8 @@ def run_recipe(args: argparse.Namespace, mode: str, run_dir: Path) -> dict[str, 
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", str(RECIPE),
             "--config", str(CONFIG), *recipe_overrides(args, mode, run_dir)]
     launched = time.time()
-    cpu_s = _run(argv, run_dir / "recipe.log", args.timeout, _env(args), run_dir=run_dir)
+    env = {**_env(args), **RECIPE_MODES[mode].get("env", {})}
+    cpu_s = _run(argv, run_dir / "recipe.log", args.timeout, env, run_dir=run_dir)
     exited = time.time()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     per_step = args.prompts_per_step * args.generations

@@ -64,6 +64,8 @@ def test_recipe_modes_are_config_overrides():
     b2 = {"rollout.max_staleness=1", "rollout.worker.slots=16", "rollout.worker.max_batch=16"}
     assert b2 <= set(got["async1_b2"])
     assert {"rollout.max_staleness=1", "rollout.num_workers=2", "rollout.worker.slots=8"} <= set(got["async1_w2"])
+    assert set(got["sync_t2"]) - set(got["sync"]) == {"train.threads=2"}  # and OMP_WAIT_POLICY=PASSIVE in its env
+    assert not any(o.startswith("train.threads") for m, o2 in got.items() if m != "sync_t2" for o in o2)
     assert all(o[-1] == "train.seed=3" for o in got.values())  # --set comes last: it wins
 
 
