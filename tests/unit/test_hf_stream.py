@@ -95,8 +95,9 @@ def test_short_group_delivered_before_long_one_finishes(model_dir):
 
 @pytest.mark.parametrize("lengths", ["natural", "long_tail"])
 def test_logprobs_align_for_rows_admitted_at_different_steps(model_dir, lengths):
-    """Five groups of different prompt lengths through a batch of 4 rows: rows join a running batch (left-padded
-    to its length) at different steps; every token's logprob is the trainer's recomputation."""
+    """Five groups of different prompt lengths through a batch of 3 rows: rows join a running batch (left-padded
+    to its length, or written right-aligned into a finished row's slot) at different steps; every token's logprob
+    is the trainer's recomputation."""
     extra = dict(ignore_eos=True, length_tail=1.0, length_median=6) if lengths == "long_tail" else {}
     engine = make_engine(model_dir, max_num_seqs=3, **extra)
     long_prompt = {"prompt_ids": [1] + list(range(10, 40))}
@@ -112,6 +113,8 @@ def test_logprobs_align_for_rows_admitted_at_different_steps(model_dir, lengths)
     diff = max_logprob_diff(engine.model, completions, **SAMPLING)
     print(f"max |dlogp| streamed ({lengths}) = {diff:.3e}")
     assert diff <= TOL
+    # both admission paths ran: into finished rows' slots in place, and appended (the 31-token prompt is wider)
+    assert engine._stream.merges["in_place"] > 0 and engine._stream.merges["appended"] > 0, engine._stream.merges
 
 
 def test_group_tokens_do_not_depend_on_batch_composition(model_dir):

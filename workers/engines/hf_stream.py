@@ -5,9 +5,10 @@
     submit(key, request) ──► queue of sequences (one per sample, in submission order)
     poll(timeout): repeat until a request has all n samples done, or timeout passed (at least one step):
         admit   queued sequences up to engine.max_num_seqs, once ADMIT_FRACTION of the rows are free (or the
-                queue holds no more, or nothing runs): drop the finished rows (cache.batch_select_indices), prefill
-                the new ones as one left-padded batch, sample each one's first token, merge their cache rows into
-                the running batch (left-padded to one length), drop the left padding no row needs any more
+                queue holds no more, or nothing runs): prefill the new ones as one left-padded batch, sample each
+                one's first token, write their cache rows into finished rows' slots (right-aligned, in place) or,
+                with too few finished rows or a wider prompt, drop the finished rows (cache.batch_select_indices)
+                and append them (left-padded to one length); drop the left padding no row needs any more
         decode  one token for every running row (one forward pass of the whole batch)
         retire  finished sequences leave the batch's bookkeeping at once (a request whose n are done is ready);
                 their cache rows stay until the next admission, or until a quarter of the rows are finished
@@ -43,7 +44,9 @@ Cost model (why admissions are batched and retirement is lazy): on a CPU with a 
 is memory-bound, a forward pass costs about the same for 1 or 64 rows, so the scheduler's rate is rows per pass.
 A prefill is a pass of its own: admitting each row the moment it frees added ~one prefill per two decode steps at
 64 rows; waiting for ``ADMIT_FRACTION`` of the rows leaves ~1/16 of them idle for a few steps and saves most of
-those passes. Dropping a finished row copies every layer's cache: it is done once per admission, with the merge.
+those passes. Dropping a finished row copies every layer's cache, and so does appending below the running rows;
+writing the new rows into finished rows' slots copies only the new rows (``merges`` counts both paths): for 96
+groups of 8 through 64 rows, 32 in flight, ~10 % fewer CPU-seconds (median of 8 alternated rounds, 1.995 -> 1.815 s).
 
 Lengths follow the static path: ``engine.ignore_eos`` runs each sample to its :func:`~workers.engines.hf.length_targets`
 target (finish ``length``; text up to the first stop token); otherwise a stop token ends it (kept, finish ``stop``)
@@ -153,6 +156,8 @@ class StreamScheduler:
         """Running rows x seconds of in-flight re-prefills (keep mode): the pause, counted neither busy nor idle."""
         self._admitting = 0
         self._tick_at = 0.0
+        self.merges = {"in_place": 0, "appended": 0}
+        """Admissions written into finished rows' slots, and ones appended below the running rows (a cache copy)."""
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -268,7 +273,6 @@ class StreamScheduler:
             return
         if self.live and self.limit is not None and free < min(max(1, int(self.limit * ADMIT_FRACTION)), len(self.queue)):
             return  # a prefill is a forward pass of its own: wait until a few rows are free (module docstring)
-        self._compact()
         self._tick(time.perf_counter())
         new = [self.queue.popleft() for _ in range(free)]
         self._admitting = len(new)  # free rows stay "queued" while these prefill
@@ -337,15 +341,34 @@ class StreamScheduler:
         return out.past_key_values, mask, out.logits[:, -1]
 
     def _merge(self, new: list[_Seq], cache, mask: torch.Tensor) -> None:
-        """Appends ``new``'s cache rows below the running ones, left-padding the shorter side to one length."""
+        """Puts ``new``'s cache rows into the batch: into finished rows' slots when there are enough of them and the
+        new rows are no wider than the batch (written in place, right-aligned: no copy of the running rows' cache),
+        else below the running ones once the finished rows are dropped, left-padding the shorter side."""
+        if self.rows:
+            for layer in self.cache.layers:
+                if getattr(layer, "is_sliding", False):
+                    raise NotImplementedError("the HF streaming engine supports full-attention caches only, "
+                                              f"got {type(layer).__name__}")
+            slots = [i for i, s in enumerate(self.rows) if s.finish is not None][: len(new)]
+            width = self.mask.shape[1]
+            if len(slots) == len(new) and mask.shape[1] <= width:
+                index = torch.tensor(slots, dtype=torch.long, device=self.mask.device)
+                for old_layer, new_layer in zip(self.cache.layers, cache.layers):
+                    for name in ("keys", "values"):
+                        getattr(old_layer, name)[index] = _left_pad(getattr(new_layer, name), width, -2)
+                self.mask[index] = _left_pad(mask, width, 1)
+                for i, s in zip(slots, new):
+                    self.rows[i] = s
+                self._trim()
+                self.merges["in_place"] += 1
+                return
+            self._compact()
+        self.merges["appended"] += 1
         if not self.rows:
             self.rows, self.cache, self.mask = list(new), cache, mask
             return
         width = max(self.mask.shape[1], mask.shape[1])
         for old_layer, new_layer in zip(self.cache.layers, cache.layers):
-            if getattr(old_layer, "is_sliding", False):
-                raise NotImplementedError("the HF streaming engine supports full-attention caches only, "
-                                          f"got {type(old_layer).__name__}")
             for name in ("keys", "values"):
                 a, b = _left_pad(getattr(old_layer, name), width, -2), _left_pad(getattr(new_layer, name), width, -2)
                 setattr(old_layer, name, torch.cat([a, b], dim=0))
@@ -413,6 +436,10 @@ class StreamScheduler:
         index = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
         self.cache.batch_select_indices(index)
         self.mask = self.mask[index]
+        self._trim()
+
+    def _trim(self) -> None:
+        """Drops the left padding every row of the batch has (views: the next decode step's cache append copies)."""
         first = int(self.mask.any(0).nonzero()[0, 0])
         if first:
             for layer in self.cache.layers:
