@@ -16,10 +16,11 @@ Two modes, one time model (a sequence decodes one token every ``seconds_per_toke
   request as one :class:`~workers.engines.base.Finished` once all its ``n`` samples are done. Nothing else
   blocks: ``submit`` returns at once. An update applied while sequences run (:meth:`FakeEngine.apply_weights`,
   or a pool-announced version, :meth:`FakeEngine.set_policy_version`) pauses them for ``weight_load_s``
-  (the caller sleeps it) and, in ``keep`` mode, splits their ``version_spans`` at the token the update found
-  them at (later tokens are drawn for the new version); in ``abort`` mode every request with a started
-  sequence comes back ``aborted`` and queued ones start under the new version. A sequence keeps the length
-  it drew at its first version, so a stream without updates yields exactly the static rollouts.
+  (the caller sleeps it) and, in ``keep`` mode (``keep_cache`` alike: it has no cache), splits their
+  ``version_spans`` at the token the update found them at (later tokens are drawn for the new version); in
+  ``abort`` mode every request with a started sequence comes back ``aborted`` and queued ones start under the
+  new version. A sequence keeps the length it drew at its first version, so a stream without updates yields
+  exactly the static rollouts.
 
 Occupancy (:meth:`FakeEngine.occupancy`, the definition every engine shares, see
 :meth:`workers.engines.base.Engine.occupancy`): ``busy_seq_s`` sums, over sequences, the seconds from the
