@@ -47,6 +47,7 @@ from asyncrl.images import image_provenance, prompt_images
 from asyncrl.rewards import RewardError, RewardSet
 from asyncrl.rollout import Group, Rollout, make_group_id
 from asyncrl.transport import ReceivedLease, RolloutSender, setup_rollout_sender
+from asyncrl.transport.zmq_transport import MAX_STATUS_KEYS
 from asyncrl.weights.verify import WeightVerifier
 from workers.engines.base import Completion, Engine, GenerationRequest, build_engine
 from workers import faults
@@ -184,7 +185,7 @@ class RolloutWorker:
             status["weight_sync_failures"] = failures if isinstance(failures, int) else len(failures)
             # what crossed the wire for weights, full buckets and deltas (weights.delta), cumulative, from a receiver
             # that counts them (zmq; shm has no wire); two keys only: the pool keeps a status of at most
-            # MAX_STATUS_KEYS (32; a bigger status is refused whole, counted statuses_refused)
+            # MAX_STATUS_KEYS (a bigger status is refused whole, counted statuses_refused)
             if "full_bytes" in weights or "delta_bytes" in weights:
                 status["weight_full_bytes"] = weights.get("full_bytes", 0)
                 status["weight_delta_bytes"] = weights.get("delta_bytes", 0)
@@ -196,6 +197,10 @@ class RolloutWorker:
                 status["shadow_mismatch"] = weights.get("shadow_mismatch", 0)  # layout or dtype not the engine's
             if self.verifier is not None:
                 status.update(self.verifier.status())
+        if len(status) > MAX_STATUS_KEYS:  # the pool would refuse it whole, policy_version included
+            self._throttle.error("status_too_big", "worker %s: its status has %d keys, more than the pool keeps "
+                                 "(MAX_STATUS_KEYS=%d); the pool keeps the previous one", self.worker_id, len(status),
+                                 MAX_STATUS_KEYS)
         self.sender.status = status
 
     def apply_staged_weights(self, update: Any | None = None) -> bool:

@@ -91,9 +91,11 @@ GREETED_PER_PEER = 4
 """Identities remembered for SHUTDOWN and late groups: at most this many times ``gate.max_peers``."""
 SHUTDOWN_ACK_S = 2.0
 """Longest a closing pool waits for its workers' BYE after SHUTDOWN (it reads the socket meanwhile)."""
-MAX_STATUS_KEYS = 32
+MAX_STATUS_KEYS = 64
 """Most keys of a worker status (heartbeat) a pool keeps; a bigger status is ignored (the previous one stays),
-counted as ``statuses_refused`` and named in ``recent_errors``. The largest status a worker sends today is 23."""
+counted as ``statuses_refused`` and named in ``recent_errors``. The largest status a worker sends today has 30 keys (a
+streaming worker with weight verification and shadow or delta counters; 23 before streaming's occupancy split);
+a worker that builds a bigger one logs an error itself (``RolloutWorker._report``)."""
 _MONITOR_EVENTS = {
     zmq.EVENT_ACCEPTED: "connections_accepted",
     zmq.EVENT_DISCONNECTED: "connections_dropped",

@@ -401,7 +401,8 @@ def test_a_shadow_workers_largest_status_fits_the_pools_limit():
     verifier = WeightVerifier("full")
     verifier.last_mismatch = VerifyResult(version=2, kind="full", checked=["w0"], mismatched=["w0"], unverifiable=[])
     engine = FakeEngine(EngineConfig())
-    engine.occupancy = lambda: {"busy_seq_s": 1.0, "capacity_seq_s": 2.0}  # the HF engine's always has both
+    engine.occupancy = lambda: {"busy_seq_s": 1.0, "capacity_seq_s": 2.0,  # the HF streaming engine's split too
+                                "idle_queued_seq_s": 0.1, "idle_empty_seq_s": 0.2, "pause_seq_s": 0.05}
     worker = RolloutWorker("w0", engine, lambda *a, **k: [0.0], SimpleNamespace(status={}),
                            max_batch=2, slots=2, streaming=True, weights=Receiver(), verifier=verifier)
     worker.inflight_pauses.append(0.01)
@@ -410,4 +411,8 @@ def test_a_shadow_workers_largest_status_fits_the_pools_limit():
     assert status["weights_via_shadow"] == 3 and status["shadow_busy"] == 1 and "weight_full_bytes" not in status
     assert status["shadow_mismatch"] == 2
     assert "weight_mismatch_tensors" in status and "inflight_pause_p99_s" in status and "capacity_seq_s" in status
+    assert "idle_no_lease_seq_s" in status and "pause_seq_s" in status
     assert len(status) < MAX_STATUS_KEYS, sorted(status)
+    worker.weights = SimpleNamespace(stats=lambda: {"failures": 0, "full_bytes": 1, "delta_bytes": 2})  # zmq + delta
+    worker._report()
+    assert len(worker.sender.status) < MAX_STATUS_KEYS, sorted(worker.sender.status)
