@@ -21,9 +21,8 @@ Outputs in ``run_dir``: ``metrics.jsonl`` (one line per step, rank 0), ``consume
 groups each rank trained on), ``checkpoints/step-N`` (model + optimizer via torch.distributed.checkpoint,
 loader state per rank, version, RNG, config; staged, marked COMPLETE, renamed, then ``latest`` moves: see
 asyncrl.checkpoint), ``.lock`` (held by rank 0 while the run lives, naming it: a second run on the directory is
-refused; asyncrl.run_dir), ``dumps/`` (rejected and
-anomalous batches, msgpack), ``report.png`` (reward and staleness over steps), ``debug/`` (the debugger's per-step
-record and anomalies) and ``report/index.html`` (``asyncrl report``).
+refused; asyncrl.run_dir), ``dumps/`` (rejected and anomalous batches, msgpack), ``report.png`` (reward and
+staleness over steps), ``debug/`` (the debugger's per-step record and anomalies), ``report/index.html``.
 """
 
 from __future__ import annotations
@@ -323,17 +322,10 @@ class GRPORecipe:
         logged = global_metrics({**{f"loss/{k}": v for k, v in loss_metrics.items()},  # over every rank's tokens
                                  **{f"mismatch/{k}": v for k, v in mismatch.items()}}, self.device)
         return {
-            "step": self.step,
-            "policy_version": self.version,
-            "accepted": accepted,
-            "guard_reason": reason,
-            "loss": logged["loss/loss"],
-            "grad_norm": grad_norm,
-            "update_ratio": ratio,
+            "step": self.step, "policy_version": self.version, "accepted": accepted, "guard_reason": reason,
+            "loss": logged["loss/loss"], "grad_norm": grad_norm, "update_ratio": ratio,
             **batch_stats(rewards, staleness, batch["num_tokens"], self.device),  # over all ranks
-            "weight_bytes": weight_bytes,
-            "publish_s": publish_s,
-            "train_s": time.perf_counter() - t0 - publish_s,
+            "weight_bytes": weight_bytes, "publish_s": publish_s, "train_s": time.perf_counter() - t0 - publish_s,
             **logged,
             **({"kl": logged["loss/kl"]} if "loss/kl" in logged else {}),  # loss.beta > 0 (TRL's name)
             # each reward function's unweighted mean over all ranks (TRL's rewards/<name>/mean)
