@@ -156,41 +156,11 @@ def test_the_batched_inverse_cdf_draw_samples_each_rows_distribution():
     assert all(s.logprobs[0] == pytest.approx(float(logp[s.tokens[0]]), abs=1e-6) for s in seqs[:50])
 
 
-def test_weight_update_in_flight_keep(model_dir):
-    """keep: the running rows' cache is recomputed under the new weights; spans change at the update and each
-    span's logprobs are the trainer's under that span's weights (no KV computed by the old weights leaks in)."""
+def _update_in_flight(model_dir, mode):
+    """3 groups of 2 rows through 4 slots (group 2 waits in the queue), a full update after 5 polls; checks the
+    spans (the update splits each running row's; the queued group starts under v1) and returns what ran."""
     engine = make_engine(model_dir, ignore_eos=True, max_new_tokens=20, max_num_seqs=4)
-    v0 = load_model(model_dir)
-    new_state = perturbed(v0)
-    v1 = load_model(model_dir)
-    v1.load_state_dict(new_state)
-    for i in range(3):  # 6 rows, 4 slots: group 2 waits in the queue
-        engine.submit(i, request(i, max_new_tokens=20))
-    for _ in range(5):
-        engine.poll(0.0)
-    engine.apply_weights(WeightUpdate(version=1, mode="full", tensors=new_state))
-    got = drain(engine)
-    completions = [got[k].completions for k in range(3)]
-    for c in completions[0] + completions[1]:
-        (v_a, s_a, e_a), (v_b, s_b, e_b) = c.version_spans
-        assert (v_a, s_a, v_b, e_b) == (0, 0, 1, 20) and e_a == s_b and 0 < s_b < 20 and c.policy_version == 0
-    assert all(c.version_spans == [] and c.policy_version == 1 for c in completions[2])
-    diffs = span_diffs({0: v0, 1: v1}, completions)
-    print(f"max |dlogp| per span: {diffs}")
-    assert set(diffs) == {0, 1} and max(diffs.values()) <= TOL
-    occ = engine.occupancy()  # the re-prefill held 4 running rows: the pause is its own share of the slot-time
-    assert occ["pause_seq_s"] > 0 and occ["idle_queued_seq_s"] >= 0
-    assert_slot_time_adds_up(occ)
-    # the old weights do not explain the new spans: the update really changed what was sampled from
-    assert span_diffs({1: v0}, completions)[1] > 1e-3
-
-
-def test_weight_update_in_flight_keep_cache(model_dir):
-    """keep_cache: no re-prefill (no pause); spans change at the update exactly as with keep; the old span is the
-    old weights' to 1e-5, the new span the new weights' on the old weights' cache: not the trainer's recomputation
-    under the new version (the documented approximation)."""
-    engine = make_engine(model_dir, ignore_eos=True, max_new_tokens=20, max_num_seqs=4)
-    engine.weights_in_flight = "keep_cache"
+    engine.weights_in_flight = mode
     v0 = load_model(model_dir)
     new_state = perturbed(v0)
     v1 = load_model(model_dir)
@@ -206,6 +176,28 @@ def test_weight_update_in_flight_keep_cache(model_dir):
         (v_a, s_a, e_a), (v_b, s_b, e_b) = c.version_spans
         assert (v_a, s_a, v_b, e_b) == (0, 0, 1, 20) and e_a == s_b and 0 < s_b < 20 and c.policy_version == 0
     assert all(c.version_spans == [] and c.policy_version == 1 for c in completions[2])
+    return engine, v0, v1, completions
+
+
+def test_weight_update_in_flight_keep(model_dir):
+    """keep: the running rows' cache is recomputed under the new weights; spans change at the update and each
+    span's logprobs are the trainer's under that span's weights (no KV computed by the old weights leaks in)."""
+    engine, v0, v1, completions = _update_in_flight(model_dir, "keep")
+    diffs = span_diffs({0: v0, 1: v1}, completions)
+    print(f"max |dlogp| per span: {diffs}")
+    assert set(diffs) == {0, 1} and max(diffs.values()) <= TOL
+    occ = engine.occupancy()  # the re-prefill held 4 running rows: the pause is its own share of the slot-time
+    assert occ["pause_seq_s"] > 0 and occ["idle_queued_seq_s"] >= 0
+    assert_slot_time_adds_up(occ)
+    # the old weights do not explain the new spans: the update really changed what was sampled from
+    assert span_diffs({1: v0}, completions)[1] > 1e-3
+
+
+def test_weight_update_in_flight_keep_cache(model_dir):
+    """keep_cache: no re-prefill (no pause); spans change at the update exactly as with keep; the old span is the
+    old weights' to 1e-5, the new span the new weights' on the old weights' cache: not the trainer's recomputation
+    under the new version (the documented approximation)."""
+    engine, v0, v1, completions = _update_in_flight(model_dir, "keep_cache")
     assert span_diffs({0: v0}, completions)[0] <= TOL
     new_span = span_diffs({1: v1}, completions)[1]  # top-k: a token may even lie outside v1's top k (inf)
     print(f"new span max |dlogp| against v1's recomputation: {new_span:.2e}")
