@@ -11,8 +11,8 @@ sweeps its siblings with the same prefix: one whose ``.owner`` it can lock has a
 
 A directory is built under a hidden name and renamed into place once its lock is held, so every directory
 visible under the prefix is locked from its first moment and a sweep never races its maker. A crash before the
-rename leaves a hidden ``.{prefix}new-*`` directory, swept the same way (one without ``.owner`` after
-:data:`UNLOCKED_GRACE_S`). A directory under the prefix without ``.owner`` was made by an asyncrl older than
+rename leaves a hidden ``.{prefix}new-*`` directory, swept once it is older than :data:`UNLOCKED_GRACE_S`
+(younger, its maker may be between creating ``.owner`` and locking it) and its lock is free or it has none. A directory under the prefix without ``.owner`` was made by an asyncrl older than
 this module: it is named in a warning with its size, never removed (its owner may be alive).
 
 Who blocks on what: nothing; every lock attempt is non-blocking.
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 OWNER = ".owner"
 UNLOCKED_GRACE_S = 60.0
-"""A hidden half-made directory without ``.owner`` older than this is a maker's crash leftover."""
+"""A hidden half-made directory older than this, its lock free or missing, is a maker's crash leftover."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,10 +64,6 @@ class OwnedDir:
         shutil.rmtree(self.path, ignore_errors=True)
         os.close(self._fd)  # the lock goes with the last descriptor of the file
         self._fd = None
-
-    @property
-    def closed(self) -> bool:
-        return self._fd is None
 
 
 def _size(path: Path) -> int:
@@ -121,15 +117,17 @@ def sweep_dead(prefix: str, base: str | os.PathLike) -> Swept:
         except OSError:
             continue
         path = Path(entry.path)
+        if hidden and age <= UNLOCKED_GRACE_S:
+            continue  # its maker may be between creating .owner and locking it
         if has_owner:
             freed = _remove_if_dead(path)
             if freed is not None:
                 removed.append((entry.path, freed))
-        elif hidden and age > UNLOCKED_GRACE_S:
+        elif hidden:
             freed = _size(path)
             shutil.rmtree(path, ignore_errors=True)
             removed.append((entry.path, freed))
-        elif not hidden:
+        else:
             legacy.append((entry.path, _size(path)))
     if removed:
         logger.info("removed %d scratch directories of dead processes (%.1f MB): %s", len(removed),
@@ -163,6 +161,8 @@ def make_owned_dir(prefix: str, base: str | os.PathLike | None = None) -> tuple[
             try:
                 os.rename(tmp, final)
                 return OwnedDir(final, fd), swept
-            except OSError:  # made under that name meanwhile
-                pass
+            except OSError:  # made under that name meanwhile, or the half-made directory is gone
+                if not tmp.is_dir():
+                    os.close(fd)
+                    raise FileNotFoundError(f"{tmp} vanished while it was being made (removed by hand?)") from None
         suffix = secrets.token_hex(4)

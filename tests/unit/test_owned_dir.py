@@ -81,14 +81,22 @@ def test_half_made_and_legacy_directories(tmp_path):
     os.utime(crashed, (old, old))
     fresh = tmp_path / f".{PREFIX}new-fresh"  # may be mid-making right now
     fresh.mkdir()
+    locking = tmp_path / f".{PREFIX}new-locking"  # its maker created .owner and has not locked it yet
+    locking.mkdir()
+    (locking / OWNER).touch()
+    crashed_locked = tmp_path / f".{PREFIX}new-crashed-after-open"  # died between creating .owner and the rename
+    crashed_locked.mkdir()
+    (crashed_locked / OWNER).touch()
+    os.utime(crashed_locked, (old, old))
     legacy = tmp_path / f"{PREFIX}legacy"  # made before owner locks: its maker may be alive
     legacy.mkdir()
     (legacy / "seg").write_bytes(b"y" * 8192)
     other = tmp_path / "someone-else"
     other.mkdir()
     swept = sweep_dead(PREFIX, tmp_path)
-    assert [p for p, _ in swept.removed] == [str(crashed)] and not crashed.exists()
-    assert fresh.exists() and legacy.exists() and other.exists()
+    assert sorted(p for p, _ in swept.removed) == sorted([str(crashed), str(crashed_locked)])
+    assert not crashed.exists() and not crashed_locked.exists()
+    assert fresh.exists() and locking.exists() and legacy.exists() and other.exists()
     assert [p for p, _ in swept.legacy] == [str(legacy)] and swept.legacy[0][1] >= 8192
 
 
