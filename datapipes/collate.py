@@ -80,22 +80,28 @@ def collate_groups(groups: list[Group], pad_token_id: int = 0) -> TrainBatch:
     rollouts = [r for g in groups for r in g.rollouts]
     if not rollouts:
         raise ValueError("cannot collate an empty list of groups")
-    lengths = [r.num_tokens for r in rollouts]
+    prompt_lengths = [int(r.prompt_ids.numel()) for r in rollouts]
+    response_lengths = [int(r.response_ids.numel()) for r in rollouts]
+    lengths = [p + n for p, n in zip(prompt_lengths, response_lengths)]
     rows, width = len(rollouts), max(lengths)
+    # each per-token field in one masked assignment of all rows' values (row-major: a row's tokens in order), not
+    # one slice assignment per row and field: the batch is built while the trainer waits for it
+    p_col, total_col = torch.tensor(prompt_lengths)[:, None], torch.tensor(lengths)[:, None]
+    position = torch.arange(width)[None, :]
+    attention_mask = position < total_col
+    response = attention_mask & (position >= p_col)
     input_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((rows, width), dtype=torch.bool)
-    loss_mask = torch.zeros((rows, width), dtype=torch.bool)
+    input_ids[attention_mask] = torch.cat([t for r in rollouts for t in (r.prompt_ids, r.response_ids)]).long()
+    if all(r.loss_mask is None for r in rollouts):
+        loss_mask = response.clone()
+    else:
+        loss_mask = torch.zeros((rows, width), dtype=torch.bool)
+        loss_mask[response] = torch.cat([torch.ones(n, dtype=torch.bool) if r.loss_mask is None else
+                                         r.loss_mask.reshape(n).bool() for r, n in zip(rollouts, response_lengths)])
     logprobs = torch.zeros((rows, width), dtype=torch.float32)
+    logprobs[response] = torch.cat([r.logprobs.reshape(n) for r, n in zip(rollouts, response_lengths)]).float()
     token_versions = torch.full((rows, width), -1, dtype=torch.long)
-    for b, r in enumerate(rollouts):
-        p, n = int(r.prompt_ids.numel()), int(r.response_ids.numel())
-        input_ids[b, :p] = r.prompt_ids
-        input_ids[b, p : p + n] = r.response_ids
-        attention_mask[b, : p + n] = True
-        loss_mask[b, p : p + n] = True if r.loss_mask is None else r.loss_mask
-        logprobs[b, p : p + n] = r.logprobs
-        for version, start, end in r.spans():
-            token_versions[b, p + start : p + end] = version
+    token_versions[response] = _response_versions(rollouts, response_lengths)
     return {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
@@ -107,8 +113,8 @@ def collate_groups(groups: list[Group], pad_token_id: int = 0) -> TrainBatch:
         "sampling": _sampling(rollouts),
         "policy_versions": torch.tensor([r.policy_version for r in rollouts], dtype=torch.long),
         "group_index": torch.tensor([g for g, grp in enumerate(groups) for _ in grp.rollouts], dtype=torch.long),
-        "prompt_lengths": torch.tensor([int(r.prompt_ids.numel()) for r in rollouts], dtype=torch.long),
-        "response_lengths": torch.tensor([int(r.response_ids.numel()) for r in rollouts], dtype=torch.long),
+        "prompt_lengths": torch.tensor(prompt_lengths, dtype=torch.long),
+        "response_lengths": torch.tensor(response_lengths, dtype=torch.long),
         "generate_s": torch.tensor([r.timings.get("generate", 0.0) for r in rollouts], dtype=torch.float32),
         "group_ids": [g.group_id for g in groups],
         "uids": [r.uid for r in rollouts],
@@ -117,6 +123,35 @@ def collate_groups(groups: list[Group], pad_token_id: int = 0) -> TrainBatch:
         "num_tokens": sum(lengths),
         **_images(rollouts),
     }
+
+
+def _response_versions(rollouts: list, response_lengths: list[int]) -> torch.Tensor:
+    """Every row's response tokens' policy versions, rows concatenated: runs of each rollout's version spans, -1 in
+    gaps between them. Spans out of order or overlapping (later ones win, as slice assignments would) are written
+    one at a time."""
+    values: list[int] = []
+    for r, n in zip(rollouts, response_lengths):
+        cursor = 0
+        for version, start, end in r.spans():
+            start, end = max(start, 0), min(end, n)  # clipped to the response, as a slice would be
+            if end <= start:
+                continue
+            if start < cursor:
+                return _response_versions_slow(rollouts, response_lengths)
+            values += [-1] * (start - cursor) + [version] * (end - start)
+            cursor = end
+        values += [-1] * (n - cursor)
+    return torch.tensor(values, dtype=torch.long)
+
+
+def _response_versions_slow(rollouts: list, response_lengths: list[int]) -> torch.Tensor:
+    out = []
+    for r, n in zip(rollouts, response_lengths):
+        row = torch.full((n,), -1, dtype=torch.long)
+        for version, start, end in r.spans():
+            row[start:end] = version
+        out.append(row)
+    return torch.cat(out)
 
 
 def _images(rollouts: list) -> dict[str, Any]:
