@@ -74,6 +74,31 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+RATIO_CHUNK_BYTES = 256 << 20
+"""The update ratio's ``theta' - theta`` is formed this many bytes of parameters at a time."""
+
+
+def _squared_norm(tensors: list[torch.Tensor]) -> float:
+    """``sum ||t||^2`` over the tensors, accumulated in float64 (each tensor's norm in float64, no float64 copy)."""
+    if not tensors:
+        return 0.0
+    return float(torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64)).square().sum().cpu())
+
+
+def _chunks(pairs: list[Any], max_bytes: int) -> list[list[Any]]:
+    """``pairs`` (parameter, snapshot) cut into runs of at most ``max_bytes`` of parameters (at least one each)."""
+    out: list[list[Any]] = [[]]
+    size = 0
+    for pair in pairs:
+        n = pair[1].numel() * pair[1].element_size()
+        if out[-1] and size + n > max_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(pair)
+        size += n
+    return out
+
+
 class UpdateGuard:
     """Guards the optimizer steps of one model.
 
@@ -156,10 +181,13 @@ class UpdateGuard:
         return torch.device("cpu")
 
     def _update_ratio(self) -> float:
-        with torch.no_grad():
-            diff = sum(float(((_local(p.detach()) - _local(b)).double() ** 2).sum())
-                       for p, b in zip(self.params, self.snapshot))
-            norm = sum(float((_local(b).double() ** 2).sum()) for b in self.snapshot)
+        with torch.no_grad():  # foreach kernels over all tensors (one Python call, not one per parameter)
+            before = [_local(b) for b in self.snapshot]
+            diff = 0.0
+            for chunk in _chunks(list(zip(self.params, before)), RATIO_CHUNK_BYTES):  # bounded temporaries
+                after, old = [_local(p.detach()) for p, _ in chunk], [b for _, b in chunk]
+                diff += _squared_norm(torch._foreach_sub(after, old))
+            norm = _squared_norm(before)
         diff, norm = self._agree([diff, norm])
         return math.sqrt(diff) / max(math.sqrt(norm), 1e-12) if math.isfinite(diff) else math.nan
 

@@ -182,3 +182,22 @@ def test_the_step_learning_rate_is_set_only_when_kept():
     assert not guard.step(_loss(model, scale=float("nan")), lr=1e-6)
     assert opt.param_groups[0]["lr"] == 0.1
     assert guard.step(_loss(model), lr=1e-6) and opt.param_groups[0]["lr"] == 1e-6
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 1 << 30])
+def test_the_update_ratio_is_the_norm_of_the_whole_update(monkeypatch, chunk_bytes):
+    """``||theta' - theta|| / ||theta||`` over all trainable parameters together, whether the difference is formed
+    one parameter at a time (``RATIO_CHUNK_BYTES`` tiny) or all at once; mixed dtypes included."""
+    import asyncrl.guard as guard_module
+
+    monkeypatch.setattr(guard_module, "RATIO_CHUNK_BYTES", chunk_bytes)
+    model = _model()
+    model[2].to(torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.linspace(-1, 1, 16).view(4, 4)
+    loss = model[2](model[1](model[0](x)).double()).pow(2).mean()
+    verdict = UpdateGuard(model, opt, GuardConfig(max_update_ratio=0.5), grad_clip=None).step(loss)
+    diff = sum(float(((p.detach() - b).double() ** 2).sum()) for p, b in zip(model.parameters(), before))
+    norm = sum(float((b.double() ** 2).sum()) for b in before)
+    assert verdict and verdict.update_ratio == pytest.approx(math.sqrt(diff) / math.sqrt(norm), rel=1e-12)
