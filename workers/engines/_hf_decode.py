@@ -3,23 +3,27 @@
 ::
 
     prefill   one forward of the left-padded prompts [N, P] (position ids from the mask, last position's logits only)
-    decode    per step: processors(logits) -> scores; softmax -> multinomial(generator) -> token; log_softmax(scores)
-              at the token -> its logprob; rows already stopped take the pad token; stop when every row has stopped
-              or after max_new_tokens; then one forward of the new tokens [N, 1] over the cache
+    decode    per step: processors(logits) -> scores; log_softmax(scores) -> logp; one uniform per row from the
+              generator -> token by inverse CDF (:func:`workers.engines._sampling.sample`, the streaming
+              scheduler's sampler too) and its logprob; rows already stopped take the pad token; stop when every
+              row has stopped or after max_new_tokens; then one forward of the new tokens [N, 1] over the cache
 
-What ``model.generate(do_sample=True)`` computes, step for step (transformers 5.x ``_sample``): the same forward
-inputs (``input_ids``, ``position_ids`` = cumsum of the mask - 1, the 2D mask or none when nothing is padded, a fresh
-``DynamicCache``, ``logits_to_keep=1``), the same float32 upcast of the last position's logits, the same warpers in
-the same order, ``softmax`` then ``torch.multinomial`` on the same probabilities, the same pad-after-stop rule. So the
-tokens and logprobs are bit for bit those of ``generate`` given the same random stream (``tests/unit/
-test_hf_decode.py`` compares them). What it leaves out is what costs on a small model: per token, ``generate``
-re-derives its inputs (``prepare_inputs_for_generation``: slicing, clones, kwargs filtering), grows ``input_ids`` and
-the mask by concatenation, runs its stopping-criteria list and its output bookkeeping; per call, it validates and
-copies its generation config. For the tiny model on one CPU thread that is ~20% of a 32-row x 32-token batch.
+The forward inputs are those of ``model.generate(do_sample=True)`` (transformers 5.x ``_sample``): ``input_ids``,
+``position_ids`` = cumsum of the mask - 1, the 2D mask or none when nothing is padded, a fresh ``DynamicCache``,
+``logits_to_keep=1``; the same float32 upcast of the last position's logits, the same warpers in the same order
+(:func:`warpers`, which is also what :func:`asyncrl.logprobs.sampling_logprobs` applies on the trainer), the same
+pad-after-stop rule. So each token is drawn from exactly ``generate``'s distribution, and its logprob is the one the
+trainer's teacher-forced :func:`asyncrl.logprobs.token_logprobs` recomputes (up to float rounding of the batched
+forward; ``tests/unit/test_hf_decode.py`` holds it to that). The draw itself differs: ``generate`` calls
+``torch.multinomial``, which draws an exponential per vocabulary entry (~195 us a step for 32 rows x 128 tokens on
+one CPU thread, ~6% of the tiny model's decode); the inverse CDF draws one uniform per row (~20 us). So the tokens
+are not ``generate``'s for the same seed, only from the same distribution. What the loop leaves out of ``generate``
+is what costs on a small model: per token, ``generate`` re-derives its inputs (``prepare_inputs_for_generation``:
+slicing, clones, kwargs filtering), grows ``input_ids`` and the mask by concatenation, runs its stopping-criteria
+list and its output bookkeeping; per call, it validates and copies its generation config. For the tiny model on one
+CPU thread that is ~20% of a 32-row x 32-token batch.
 
-It draws from a ``torch.Generator`` the engine seeds (not the process RNG). A CPU generator seeded with ``s``
-gives the stream ``torch.manual_seed(s)`` gives the global one, so a seed replays the tokens the previous path
-(``generate`` under ``fork_rng``) sampled.
+It draws from a ``torch.Generator`` the engine seeds (not the process RNG): the same seed replays the same tokens.
 
 Runs on the caller's thread; nothing blocks but the forward passes.
 """
@@ -31,6 +35,8 @@ import inspect
 from collections.abc import Sequence
 
 import torch
+
+from workers.engines._sampling import sample
 
 __all__ = ["decode", "supports_decode", "warpers"]
 
@@ -96,7 +102,7 @@ def decode(
         processors: called as ``p(None, scores)`` in order on the float32 ``[N, V]`` logits (:func:`warpers`).
         stop_ids: a row stops after sampling one of these (kept); None: rows run to ``max_new_tokens``.
         pad_id: what a stopped row is fed (and reports) until every row has stopped.
-        generator: the random stream of the multinomial draws, on the model's device.
+        generator: the random stream of the uniforms (one float64 per row and step), on the model's device.
 
     Returns:
         ``(sequences [N, P + T], logprobs [N, T])`` with ``T <= max_new_tokens`` the steps run; ``logprobs`` are
@@ -142,12 +148,14 @@ def _decode(model, input_ids, attention_mask, max_new_tokens, processors, stop_i
         del out
         for p in processors:
             scores = p(None, scores)
-        probs = torch.softmax(scores, dim=-1)
-        token = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
-        if stop_ids is not None:
+        logp = torch.log_softmax(scores, dim=-1)
+        u = torch.rand(rows, generator=generator, dtype=torch.float64, device=generator.device)
+        token, chosen = sample(logp, u)
+        if stop_ids is not None:  # a stopped row reports the pad's logprob (as generate's scores have it)
             token = token * unfinished + pad_id * (1 - unfinished)
+            chosen = logp.gather(-1, token[:, None]).squeeze(1)
         tokens[:, t] = token
-        logprobs[:, t] = torch.log_softmax(scores, dim=-1).gather(-1, token[:, None]).squeeze(1)
+        logprobs[:, t] = chosen
         steps = t + 1
         if stop_ids is not None:
             unfinished = unfinished & ~torch.isin(token, stop_ids)

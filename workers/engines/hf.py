@@ -10,8 +10,9 @@ sampled distribution behind the engine config's back.
 Sampling is reproducible: call ``i`` of an engine seeds ``(config.seed, i)`` into the engine's own
 ``torch.Generator`` (a forked RNG for ``generate``), so the process-wide RNG is left alone. A text-only
 decoder-only model decodes with :func:`workers.engines._hf_decode.decode` (the model's forward over its KV cache,
-without ``generate``'s per-token bookkeeping: the same tokens and logprobs bit for bit, ~20% less time per batch for
-the tiny model); a vision-language model, or one whose forward does not take a ``DynamicCache``, goes through
+without ``generate``'s per-token bookkeeping, ~20% less time per batch for the tiny model, and an inverse-CDF
+draw instead of ``torch.multinomial``: the same distributions and logprobs, other tokens for the same seed); a
+vision-language model, or one whose forward does not take a ``DynamicCache``, goes through
 ``generate``. Weights: a ``full`` update loads a state dict (HF names,
 strict, dropping any adapter); a ``lora`` update wraps the model with peft on first use and loads the
 adapter state dict (the LoRA config is fixed from then on). With shadow weights (``weights.shadow``,

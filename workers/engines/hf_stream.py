@@ -71,6 +71,7 @@ import numpy as np
 import torch
 
 from asyncrl.logprobs import sampling_logprobs
+from workers.engines._sampling import sample
 from workers.engines.base import Completion, Finished, GenerationRequest
 
 if TYPE_CHECKING:
@@ -380,16 +381,8 @@ class StreamScheduler:
         c = self.engine.config
         logp = sampling_logprobs(logits, temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
                                  suppress_token_ids=self.engine._suppress)
-        cdf = logp.double().exp().cumsum(-1)  # float64: the top of the CDF stays within rounding of 1 for any vocabulary
-        u = torch.tensor([s.uniform() for s in seqs], dtype=torch.float64, device=cdf.device)
-        # the first token whose cumulative probability exceeds u x total (tokens of probability 0 never do)
-        tokens = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
-        tokens = tokens.clamp_(max=cdf.shape[-1] - 1)
-        chosen = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        if not bool(torch.isfinite(chosen).all()):  # only a rounding at the very top of a CDF can land past its end
-            bad = ~torch.isfinite(chosen)
-            tokens[bad] = logp[bad].argmax(-1)
-            chosen = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        u = torch.tensor([s.uniform() for s in seqs], dtype=torch.float64, device=logp.device)
+        tokens, chosen = sample(logp, u)  # the static lean decode's sampler too (workers.engines._sampling)
         stops = self.engine.stop_ids
         for s, token, lp in zip(seqs, tokens.tolist(), chosen.tolist()):
             s.tokens.append(token)
