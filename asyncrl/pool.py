@@ -141,6 +141,10 @@ class RolloutPool:
         self.min_lease_id = 0  # results of older leases belong to a timeline abandoned by a reset
         self._error: BaseException | None = None
         self.active = False  # no leases before the loader's first iter(): it may still load a state dict
+        self.withheld: str | None = None
+        """Why the last :meth:`grant` leased fewer than asked (None: all of them): ``"window"`` (the staleness window,
+        :attr:`fresh_budget`, i.e. groups leased and buffered that the trainer has not taken yet), ``"capacity"``,
+        ``"bytes"`` (``max_buffer_bytes``) or ``"no_prompt"`` (nothing left to lease, or the loader not started)."""
 
     # -- receiver side -------------------------------------------------------------------------
     @property
@@ -225,19 +229,25 @@ class RolloutPool:
         out: list[Lease] = []
         with self.cond:
             self.ledger.wake(now)  # failed prompts whose re-issue backoff has passed
+            withheld = None if self.active else "no_prompt"
             while self.active and len(out) < want:
                 index = self.ledger.peek()
                 if index is None:
+                    withheld = "no_prompt"
                     break
                 # a prompt with part of its group here already counts as in flight: finishing it is
                 # always allowed, or orphaned partial groups could fill the capacity for good
-                if index not in self._partial and self.groups_in_flight >= min(self.capacity, self.fresh_budget):
+                if index not in self._partial and (in_flight := self.groups_in_flight) >= min(self.capacity,
+                                                                                              self.fresh_budget):
+                    withheld = "capacity" if in_flight >= self.capacity else "window"
                     break
                 if self.max_buffer_bytes is not None and self.buffered_bytes >= self.max_buffer_bytes:
+                    withheld = "bytes"
                     break
                 lease = self.ledger.lease(worker_id, now)
                 assert lease is not None and lease.prompt_index == index
                 out.append(lease)
+            self.withheld = withheld if want > 0 else None
             self._update_peaks()
         return out
 

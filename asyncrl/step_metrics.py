@@ -33,8 +33,10 @@ WORKER_KEYS = ("busy_s", "uptime_s", "weight_apply_s", "rollouts_sent", "tokens_
                "weight_full_bytes", "weight_delta_bytes", "busy_seq_s", "capacity_seq_s", "inflight_updates",
                "inflight_pause_p50_s", "inflight_pause_p99_s", "groups_resubmitted", "leases_held_s",
                "weights_via_shadow", "shadow_busy", "shadow_mismatch", "poll_s", "idle_queued_seq_s", "idle_empty_seq_s",
-               "idle_no_lease_seq_s", "idle_slots_full_seq_s", "pause_seq_s")
-"""What each worker's status contributes to a metrics record (the streaming loop's occupancy split last)."""
+               "idle_no_lease_seq_s", "idle_slots_full_seq_s", "pause_seq_s", "credits_withheld_window_s",
+               "credits_withheld_capacity_s", "credits_withheld_bytes_s", "credits_withheld_no_prompt_s")
+"""What each worker's status contributes to a metrics record (the streaming loop's occupancy split, then the
+pool's own seconds of credits withheld from the worker, by cause: ``asyncrl.transport.zmq_transport.WITHHELD``)."""
 
 
 def batch_stats(rewards: torch.Tensor, staleness: torch.Tensor, num_tokens: int, device: torch.device) -> dict[str, Any]:

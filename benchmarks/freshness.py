@@ -44,6 +44,10 @@ should span many seconds):
   ``weight_apply_s`` per update per worker (Δ``weight_apply_s`` / Δ worker ``policy_version``);
   ``regenerated_frac``: Δ``stale_dropped`` groups / groups trained.
 * ``leases_held`` (streaming workers): mean leases held per worker, Δ``leases_held_s`` / Δ``uptime_s``;
+  ``withheld_window`` / ``withheld_capacity``: the share of the workers' uptime in which the pool granted none of
+  their free credits because of the staleness window (groups leased and buffered the trainer has not taken: the
+  trainer is behind) or its ``capacity`` (the workers' ``credits_withheld_*_s``, counted by the pool); where
+  ``occ_no_lease`` is high and these are not, the credits were in their round trip;
   ``train_s_per_token``: sum ``train_s`` / batch tokens; ``load_avg_1m``: the machine's 1-minute load when the run
   ended (loops run point by point, interleaved, so both sides of a comparison see the same drift).
 * ``occupancy`` = busy slot-time / available slot-time of the engines (``Engine.occupancy``: a sequence is busy from
@@ -144,7 +148,7 @@ SCALARS = (
     "staleness_p50", "staleness_p99", "staleness_max", "publish_s", "weight_apply_s", "regenerated_frac",
     "gen_capacity", "train_capacity", "bound", "efficiency", "reward_first", "reward_last", "wall_s",
     "occupancy", "inflight_pause_p50_s", "inflight_pause_p99_s", "resubmitted_frac", "leases_held",
-    "train_s_per_token", "load_avg_1m", *OCCUPANCY_SPLIT, "outside_poll",
+    "train_s_per_token", "load_avg_1m", *OCCUPANCY_SPLIT, "outside_poll", "withheld_window", "withheld_capacity",
 )
 
 HEARTBEAT_S = 0.5
@@ -183,8 +187,9 @@ def _worker_deltas(base: dict[str, Any], last: dict[str, Any]) -> dict[str, floa
     out = {k: 0.0 for k in ("busy_s", "uptime_s", "weight_apply_s", "rollouts_sent", "tokens_generated",
                             "busy_seq_s", "capacity_seq_s", "groups_resubmitted", "leases_held_s", "poll_s",
                             "idle_queued_seq_s", "idle_empty_seq_s", "idle_no_lease_seq_s", "idle_slots_full_seq_s",
-                            "pause_seq_s")}
+                            "pause_seq_s", "credits_withheld_window_s", "credits_withheld_capacity_s")}
     out["split"] = all("idle_empty_seq_s" in v for v in last["workers"].values()) and bool(last["workers"])
+    out["withheld"] = all("credits_withheld_window_s" in v for v in last["workers"].values()) and bool(last["workers"])
     updates = []
     for wid, now in last["workers"].items():
         before = base["workers"].get(wid, {})
@@ -204,7 +209,8 @@ def _worker_deltas(base: dict[str, Any], last: dict[str, Any]) -> dict[str, floa
 _TIMES = ("time", "step_s", "wait_s", "train_s", "publish_s")
 _WORKER_TIMES = ("busy_s", "uptime_s", "weight_apply_s", "busy_seq_s", "capacity_seq_s", "inflight_pause_p50_s",
                  "inflight_pause_p99_s", "leases_held_s", "poll_s", "idle_queued_seq_s", "idle_empty_seq_s",
-                 "idle_no_lease_seq_s", "idle_slots_full_seq_s", "pause_seq_s")
+                 "idle_no_lease_seq_s", "idle_slots_full_seq_s", "pause_seq_s", "credits_withheld_window_s",
+                 "credits_withheld_capacity_s")
 
 
 def modelled_time(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -286,6 +292,9 @@ def analyze(rows: list[dict[str, Any]], *, warmup: int, group_size: int) -> dict
         # streaming workers: mean leases held per worker (in the engine or waiting for weights), to set against
         # worker.slots and the staleness window ((k + 1) x batch_size per rank, leased or buffered)
         "leases_held": _ratio(w["leases_held_s"], w["uptime_s"]) if w["leases_held_s"] else None,
+        # the pool's reasons for granting a worker none of its free credits, as shares of the workers' uptime
+        "withheld_window": _ratio(w["credits_withheld_window_s"], w["uptime_s"]) if w["withheld"] else None,
+        "withheld_capacity": _ratio(w["credits_withheld_capacity_s"], w["uptime_s"]) if w["withheld"] else None,
         "train_s_per_token": _ratio(sum(r["train_s"] for r in timed), n_tokens),
         "load_avg_1m": None,  # the sweep fills it in (the machine's load when the run ended)
         "staleness_hist": hist,
@@ -618,7 +627,7 @@ def loop_comparison(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
         both = {name: {"static": r.get(name), "streaming": m.get(name)} for name in (
             "occupancy", "staleness_mean", "regenerated_frac", "trainer_idle", "worker_idle", "gen_capacity",
             "train_capacity", "train_s_per_token", "load_avg_1m")}
-        split = {name: m.get(name) for name in (*OCCUPANCY_SPLIT, "outside_poll")}
+        split = {name: m.get(name) for name in (*OCCUPANCY_SPLIT, "outside_poll", "withheld_window", "withheld_capacity")}
         out.append({"max_staleness": p["max_staleness"], "workers": p["workers"],
                     "rollouts_per_s": {"static": r["rollouts_per_s"], "streaming": m["rollouts_per_s"]},
                     "streaming_over_static": _ratio(m["rollouts_per_s"], r["rollouts_per_s"]),
@@ -659,13 +668,14 @@ def comparison_table(rows: list[dict[str, Any]]) -> str:
 
 def split_table(rows: list[dict[str, Any]]) -> str:
     """One line per (k, w): the streaming engines' available slot-time by cause (``OCCUPANCY_SPLIT``) and the share
-    of their busy time the worker spent outside ``poll``."""
-    names = (*OCCUPANCY_SPLIT, "outside_poll")
+    of their busy time the worker spent outside ``poll``, then the shares of the workers' uptime in which the pool
+    withheld their free credits at the staleness window or at ``capacity``."""
+    names = (*OCCUPANCY_SPLIT, "outside_poll", "withheld_window", "withheld_capacity")
     head = f"{'k':>3} {'w':>3} " + " ".join(f"{n.removeprefix('occ_'):>12}" for n in names)
     lines = [head, "-" * len(head)]
     for c in rows:
         lines.append(f"{c['max_staleness']:>3} {c['workers']:>3} "
-                     + " ".join(_fmt(c["occupancy_split"][n], "12.3f") for n in names))
+                     + " ".join(_fmt(c["occupancy_split"].get(n), "12.3f") for n in names))
     return "\n".join(lines)
 
 

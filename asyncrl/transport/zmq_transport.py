@@ -43,7 +43,7 @@ import socket as pysocket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -96,6 +96,12 @@ MAX_STATUS_KEYS = 64
 counted as ``statuses_refused`` and named in ``recent_errors``. The largest status a worker sends today has 30 keys (a
 streaming worker with weight verification and shadow or delta counters; 23 before streaming's occupancy split);
 a worker that builds a bigger one logs an error itself (``RolloutWorker._report``)."""
+WITHHELD = ("window", "capacity", "bytes", "no_prompt")
+"""Why the pool granted no credit to a worker that had free ones (:attr:`asyncrl.pool.RolloutPool.withheld`); the
+seconds of each are in the worker's entry of :meth:`ZmqRolloutReceiver.stats` as ``credits_withheld_{why}_s``:
+``window`` is the staleness window (groups leased and buffered that the trainer has not taken: a trainer slower
+than the workers), ``capacity`` the pool's ``capacity``, ``bytes`` its ``max_buffer_bytes``, ``no_prompt`` nothing
+left to lease. A worker short of leases with none of these growing is waiting on the credit round trip."""
 _MONITOR_EVENTS = {
     zmq.EVENT_ACCEPTED: "connections_accepted",
     zmq.EVENT_DISCONNECTED: "connections_dropped",
@@ -132,6 +138,10 @@ class _Peer:
     status: dict[str, Any] | None = None
     streaming: bool = False
     """The worker streams (continuous batching): every free credit is granted at once, not topped up in halves."""
+    withheld_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(WITHHELD, 0.0))
+    """Seconds this worker asked for credits (it had free ones) and the pool granted none, by the pool's reason."""
+    withheld: str | None = None
+    """The pool's reason at the last grant pass (the time until the next pass is counted under it)."""
 
 
 class ZmqRolloutReceiver(RolloutReceiver):
@@ -187,6 +197,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
         self._rejected: collections.deque[dict[str, Any]] = collections.deque(maxlen=KEEP_REJECTED)
         self._throttle = Throttle(logger)  # repeated warnings (a prompt failing on every worker)
         self._peers: dict[bytes, _Peer] = {}
+        self._granted_at = time.monotonic()
         # identity -> worker id of every identity welcomed, oldest first, bounded (I/O thread only)
         self._greeted: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self._unroutable: set[bytes] = set()  # identities whose last send failed as unroutable (I/O thread)
@@ -216,7 +227,8 @@ class ZmqRolloutReceiver(RolloutReceiver):
             out: dict[str, Any] = dict(self._counters)
             out["recent_errors"] = list(self._recent_errors)
             out["workers"] = {
-                p.worker_id: {"pid": p.pid, "host": p.host, "slots": p.slots, "groups": p.groups, **(p.status or {})}
+                p.worker_id: {"pid": p.pid, "host": p.host, "slots": p.slots, "groups": p.groups, **(p.status or {}),
+                              **{f"credits_withheld_{why}_s": round(v, 4) for why, v in p.withheld_s.items()}}
                 for p in self._peers.values()
             }
         return out
@@ -545,10 +557,16 @@ class ZmqRolloutReceiver(RolloutReceiver):
                 self._drop_peer(identity, "workers_lost")
 
     def _grant(self, sock: zmq.Socket, now: float) -> None:
+        # the time since the last pass counts as withheld for each worker the pool then withheld credits from
+        dt, self._granted_at = min(now - self._granted_at, 1.0), now
         if not self._peers:
             return
         held = self.pool.outstanding()
+        blocked = None  # the pool granted nothing: nobody else gets any either, for the same reason
         for identity, peer in list(self._peers.items()):
+            if peer.withheld is not None:
+                peer.withheld_s[peer.withheld] += dt
+            peer.withheld = None
             if identity in self._unroutable:
                 continue
             free = peer.slots - held[peer.worker_id]
@@ -556,9 +574,14 @@ class ZmqRolloutReceiver(RolloutReceiver):
             # worker refills a slot the moment a group leaves it, so it gets every free credit at once
             if free <= 0 or (not peer.streaming and held[peer.worker_id] > 0 and free < max(1, peer.slots // 2)):
                 continue
+            if blocked is not None:
+                peer.withheld = blocked
+                continue
             leases = self.pool.grant(peer.worker_id, free, now)
             if not leases:
-                return  # pool is at capacity or has nothing pending: nobody else gets any either
+                blocked = peer.withheld = self.pool.withheld or "no_prompt"
+                continue
+            peer.withheld = self.pool.withheld  # fewer than its free credits: the rest withheld
             body = {
                 "policy_version": self.pool.policy_version,
                 "incarnation": self.pool.incarnation,

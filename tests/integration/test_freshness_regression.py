@@ -130,6 +130,21 @@ def test_occupancy_split_of_a_streaming_worker():
 
 
 @pytest.mark.integration
+def test_credits_withheld_are_shares_of_the_workers_uptime():
+    """The pool's seconds of a worker's free credits withheld at the window / capacity, over its uptime (2 s a step);
+    None for runs whose pool did not count them."""
+    from benchmarks.freshness import analyze
+
+    rows = _rows(4)
+    assert analyze(rows, warmup=1, group_size=4)["withheld_window"] is None
+    for r in rows:
+        r["pipeline"]["workers"]["w0"] |= {"credits_withheld_window_s": 0.5 * r["step"],
+                                           "credits_withheld_capacity_s": 0.1 * r["step"]}
+    m = analyze(rows, warmup=1, group_size=4)
+    assert (m["withheld_window"], m["withheld_capacity"]) == (pytest.approx(0.25), pytest.approx(0.05))
+
+
+@pytest.mark.integration
 def test_baseline_bands():
     from benchmarks.freshness import baseline_ratios, compare_to_baseline
 

@@ -16,7 +16,7 @@ from asyncrl import EngineConfig, LoaderConfig, RolloutLoader, TransportConfig, 
 from asyncrl.ledger import PromptLedger
 from asyncrl.pool import RolloutPool
 from asyncrl.transport import setup_rollout_sender
-from asyncrl.transport.zmq_transport import MAX_STATUS_KEYS, ZmqRolloutReceiver
+from asyncrl.transport.zmq_transport import MAX_STATUS_KEYS, WITHHELD, ZmqRolloutReceiver
 from tests.integration.test_lifeline import ENV, _alive, _parent, _wait_gone
 
 pytestmark = pytest.mark.integration
@@ -76,6 +76,29 @@ def test_a_streaming_worker_gets_each_free_credit_at_once_a_static_one_in_halves
             assert len(refill) == 2
     finally:
         sender.close()
+
+
+@pytest.mark.parametrize("why", ["window", "capacity"])
+def test_the_pool_counts_the_seconds_it_withholds_a_workers_free_credits_and_why(why):
+    """A worker holding 2 of its 4 credits, the pool bound by its staleness window (2 groups a step, k = 0) or by its
+    capacity (2): the pool counts the time under that cause alone, in the worker's entry of its stats."""
+    bound = dict(capacity=64, max_staleness=0, groups_per_step=2) if why == "window" else dict(capacity=2)
+    pool = RolloutPool(PromptLedger(64), group_size=1, max_prompt_failures=None, **bound)
+    pool.start_epoch(0)
+    receiver = ZmqRolloutReceiver(TRANSPORT, pool, lambda i: {"prompt_ids": [i + 1]})
+    sender = setup_rollout_sender(TRANSPORT, [receiver.start()], worker_id=f"w-{why}", slots=4, streaming=True)
+    sender.start()
+    try:
+        assert len(_take(sender, 2)) == 2
+        withheld = lambda: receiver.stats()["workers"][sender.worker_id]  # noqa: E731
+        _until(lambda: withheld()[f"credits_withheld_{why}_s"] >= 0.3, 10, f"0.3 s withheld at the {why}")
+        assert sender.take_leases(4, timeout=0.1) == []  # none granted meanwhile
+        others = {k: v for k, v in withheld().items() if k.startswith("credits_withheld_") and why not in k}
+        assert set(others) == {f"credits_withheld_{w}_s" for w in WITHHELD} - {f"credits_withheld_{why}_s"}
+        assert not any(others.values()), others
+    finally:
+        sender.close()
+        receiver.close()
 
 
 def test_the_pool_keeps_a_worker_status_of_up_to_max_status_keys(pool_end):

@@ -861,3 +861,23 @@ def test_k_step_pool_keeps_in_flight_within_the_bound_and_nothing_goes_stale(k):
 def test_unbounded_staleness_ignores_groups_per_step():
     pool = fresh_pool(max_staleness=None, groups_per_step=2, capacity=6)
     assert len(pool.grant("w", 64)) == 6
+
+
+def test_grant_says_why_it_leased_fewer_than_asked():
+    """``withheld``: the window (groups leased and buffered the trainer has not taken), the capacity, or nothing
+    left to lease; None when every credit asked for was granted."""
+    window = fresh_pool(max_staleness=1, groups_per_step=2, capacity=16)
+    assert len(window.grant("w", 3)) == 3 and window.withheld is None
+    assert len(window.grant("w", 8)) == 1 and window.withheld == "window"  # (1 + 1) x 2 in flight
+    for lease in list(window.ledger.leases.values()):
+        deliver(window, lease)
+    assert window.grant("w", 1) == [] and window.withheld == "window"  # buffered, not taken: still the window
+    assert take(window, 0) is not None and take(window, 0) is not None
+    window.set_policy_version(1)  # the trainer took a step's groups and moved on: the window opens
+    assert len(window.grant("w", 2)) == 2 and window.withheld is None
+    capacity = fresh_pool(max_staleness=None, capacity=3)
+    assert len(capacity.grant("w", 5)) == 3 and capacity.withheld == "capacity"
+    tail = RolloutPool(PromptLedger(2, seed=0), group_size=2, capacity=16)
+    assert tail.grant("w", 1) == [] and tail.withheld == "no_prompt"  # the loader has not started the epoch
+    tail.start_epoch(0)
+    assert len(tail.grant("w", 5)) == 2 and tail.withheld == "no_prompt"
