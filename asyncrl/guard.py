@@ -170,9 +170,10 @@ class UpdateGuard:
     # -- machinery ----------------------------------------------------------------------------------------------------
     def _agree(self, values: list[float]) -> list[float]:
         """The SUM over the ranks of ``values`` (this rank's alone without a process group)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(self.group) == 1:
+            return [float(v) for v in values]  # a group of one: the sum is this rank's (no collective to wait on)
         t = torch.tensor(values, dtype=torch.float64, device=self._reduce_device())
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(t, group=self.group)
+        dist.all_reduce(t, group=self.group)
         return t.tolist()
 
     def _reduce_device(self) -> torch.device:

@@ -201,3 +201,25 @@ def test_the_update_ratio_is_the_norm_of_the_whole_update(monkeypatch, chunk_byt
     diff = sum(float(((p.detach() - b).double() ** 2).sum()) for p, b in zip(model.parameters(), before))
     norm = sum(float((b.double() ** 2).sum()) for b in before)
     assert verdict and verdict.update_ratio == pytest.approx(math.sqrt(diff) / math.sqrt(norm), rel=1e-12)
+
+
+def test_a_group_of_one_rank_decides_without_a_collective(tmp_path, monkeypatch):
+    """One trainer rank (torchrun --nproc-per-node 1): the sums over the group are this rank's own, so the verdicts
+    are the same and no all_reduce is waited on."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        def no_collective(*_, **__):
+            raise AssertionError("all_reduce in a group of one")
+
+        monkeypatch.setattr(dist, "all_reduce", no_collective)
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        guard = UpdateGuard(model, opt, GuardConfig(max_update_ratio=0.5))
+        before = _state(model, opt)
+        verdict = guard.step(_loss(model, scale=float("nan")))
+        assert not verdict and "non-finite loss=nan" in verdict.reason and "another rank" not in verdict.reason
+        _assert_same(before, _state(model, opt))
+        verdict = guard.step(_loss(model))
+        assert verdict and 0 < verdict.update_ratio <= 0.5
+    finally:
+        dist.destroy_process_group()
