@@ -171,6 +171,12 @@ class EngineConfig:
     the rest wait in the engine's queue. ``vllm``: its own ``max_num_seqs`` (None: vLLM's default); fake engine:
     the simulated concurrency limit (None: no limit). Also the width W of the engine's occupancy
     (:meth:`workers.engines.base.Engine.occupancy`)."""
+    compile: bool = False
+    """``hf`` static batches (the lean decode loop, :mod:`workers.engines._hf_decode`; not the streaming
+    scheduler): each decode step runs a forward compiled by ``torch.compile`` over a transformers ``StaticCache``
+    (the prefill stays eager). Rows and cache length are padded up to buckets, so a run compiles a few shapes, each
+    once (seconds on a CPU; at engine start for ``max_num_seqs`` rows when that is set, else on the first call).
+    If compiling fails the engine logs why and decodes eagerly from then on. Off: the eager loop."""
 
     def __post_init__(self):
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:

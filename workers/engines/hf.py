@@ -11,7 +11,8 @@ Sampling is reproducible: call ``i`` of an engine seeds ``(config.seed, i)`` int
 ``torch.Generator`` (a forked RNG for ``generate``), so the process-wide RNG is left alone. A text-only
 decoder-only model decodes with :func:`workers.engines._hf_decode.decode` (the model's forward over its KV cache,
 without ``generate``'s per-token bookkeeping, ~20% less time per batch for the tiny model, and an inverse-CDF
-draw instead of ``torch.multinomial``: the same distributions and logprobs, other tokens for the same seed); a
+draw instead of ``torch.multinomial``: the same distributions and logprobs, other tokens for the same seed; with
+``engine.compile`` its decode step is compiled, :class:`~workers.engines._hf_decode.CompiledStep`); a
 vision-language model, or one whose forward does not take a ``DynamicCache``, goes through
 ``generate``. Weights: a ``full`` update loads a state dict (HF names,
 strict, dropping any adapter); a ``lora`` update wraps the model with peft on first use and loads the
@@ -44,7 +45,7 @@ import torch
 
 from asyncrl.config import EngineConfig
 from asyncrl.images import prompt_images, vision_token_ids
-from workers.engines._hf_decode import decode, supports_decode, warpers
+from workers.engines._hf_decode import CompiledStep, decode, supports_decode, warpers
 from workers.engines._multimodal import hf_image_inputs, load_causal_lm, load_processor
 from workers.engines.base import Completion, Engine, Finished, GenerationRequest, prompt_token_ids
 
@@ -150,6 +151,26 @@ class HFEngine(Engine):
         """The streaming scheduler (:mod:`workers.engines.hf_stream`), made by the first ``submit``."""
         self._static_busy_s = 0.0
         self._static_capacity_s = 0.0
+        self._compiled = None
+        """``engine.compile``: the lean loop's compiled step (:class:`~workers.engines._hf_decode.CompiledStep`)."""
+        if config.compile and self.processor is None and supports_decode(self.model):
+            self._compiled = CompiledStep()
+            if config.max_num_seqs:
+                self._warm_up(config.max_num_seqs)
+        elif config.compile:
+            logger.warning("engine.compile: %s does not decode by the lean loop (a vision-language model, or a forward "
+                           "without a DynamicCache): generate runs eagerly", config.model)
+
+    def _warm_up(self, rows: int) -> None:
+        """Compiles the decode step for ``rows`` one-token prompts (the cache-length bucket of short prompts) before
+        the first call, so that call does not pay for it."""
+        t0 = time.perf_counter()
+        ids = torch.full((rows, 1), self.pad_id, dtype=torch.long, device=self.device)
+        decode(self.model, ids, torch.ones_like(ids), max_new_tokens=self.config.max_new_tokens, processors=[],
+               stop_ids=None, pad_id=self.pad_id, generator=torch.Generator(device=self.device).manual_seed(0),
+               compiled=self._compiled)
+        logger.info("engine.compile: warmed up for %d rows in %.1f s (%s)", rows, time.perf_counter() - t0,
+                    self._compiled.failed or "compiled")
 
     # -- generation ---------------------------------------------------------------------------------
 
@@ -229,7 +250,7 @@ class HFEngine(Engine):
             self.model, input_ids, attention_mask, max_new_tokens=max_new_tokens,
             processors=warpers(temperature=c.temperature, top_k=c.top_k, top_p=c.top_p, suppress=self._suppress),
             stop_ids=None if c.ignore_eos else self._stop_tensor.to(self.device), pad_id=self.pad_id,
-            generator=generator,
+            generator=generator, compiled=self._compiled,
         )
         return seqs.cpu(), logprobs.cpu()
 
