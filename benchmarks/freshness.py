@@ -143,6 +143,9 @@ OCCUPANCY_SPLIT = ("occ_busy", "occ_pause", "occ_admission", "occ_no_lease", "oc
 fewer than ``slots`` leases: the pool granted no more: staleness window, ``capacity``, a trainer that let the
 buffer fill), ``slots_full`` (nothing queued, all ``slots`` leases inside: too few slots for the width),
 ``worker`` (nothing queued while the worker's main thread was outside ``poll``: rewards, sends, weights)."""
+SPLIT_COLUMNS = (*OCCUPANCY_SPLIT, "outside_poll", "withheld_window", "withheld_capacity")
+"""The streaming points' split table: the slot-time shares, the worker's time outside ``poll``, and the shares of its
+uptime the pool withheld its free credits at the staleness window or at ``capacity``."""
 SCALARS = (
     "rollouts_per_s", "tokens_per_s", "trainer_idle", "worker_idle", "weight_apply_share", "staleness_mean",
     "staleness_p50", "staleness_p99", "staleness_max", "publish_s", "weight_apply_s", "regenerated_frac",
@@ -627,7 +630,7 @@ def loop_comparison(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
         both = {name: {"static": r.get(name), "streaming": m.get(name)} for name in (
             "occupancy", "staleness_mean", "regenerated_frac", "trainer_idle", "worker_idle", "gen_capacity",
             "train_capacity", "train_s_per_token", "load_avg_1m")}
-        split = {name: m.get(name) for name in (*OCCUPANCY_SPLIT, "outside_poll", "withheld_window", "withheld_capacity")}
+        split = {name: m.get(name) for name in SPLIT_COLUMNS}
         out.append({"max_staleness": p["max_staleness"], "workers": p["workers"],
                     "rollouts_per_s": {"static": r["rollouts_per_s"], "streaming": m["rollouts_per_s"]},
                     "streaming_over_static": _ratio(m["rollouts_per_s"], r["rollouts_per_s"]),
@@ -670,7 +673,7 @@ def split_table(rows: list[dict[str, Any]]) -> str:
     """One line per (k, w): the streaming engines' available slot-time by cause (``OCCUPANCY_SPLIT``) and the share
     of their busy time the worker spent outside ``poll``, then the shares of the workers' uptime in which the pool
     withheld their free credits at the staleness window or at ``capacity``."""
-    names = (*OCCUPANCY_SPLIT, "outside_poll", "withheld_window", "withheld_capacity")
+    names = SPLIT_COLUMNS
     head = f"{'k':>3} {'w':>3} " + " ".join(f"{n.removeprefix('occ_'):>12}" for n in names)
     lines = [head, "-" * len(head)]
     for c in rows:
@@ -955,9 +958,13 @@ def main(argv: list[str] | None = None) -> int:
     if comparison:
         print("streaming vs static (same staleness, same engine, same run):")
         print(comparison_table(comparison))
-        if any(c["occupancy_split"]["occ_busy"] is not None for c in comparison):
-            print("streaming engines' slot-time (busy = occupancy; the rest: why rows were not busy):")
-            print(split_table(comparison))
+    # the split of every streaming point (a --loops streaming run has no comparison, and needs it as much)
+    split = comparison or [{"max_staleness": p["max_staleness"], "workers": p["workers"],
+                            "occupancy_split": {n: p["metrics"].get(n, {}).get("median") for n in SPLIT_COLUMNS}}
+                           for p in points if p["loop"] == "streaming"]
+    if any(c["occupancy_split"]["occ_busy"] is not None for c in split):
+        print("streaming engines' slot-time (busy = occupancy; the rest: why rows were not busy):")
+        print(split_table(split))
     for p in points:
         for note in p["notes"]:
             print(f"note (k={p['max_staleness']}, w={p['workers']}): {note}")
