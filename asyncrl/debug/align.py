@@ -13,7 +13,9 @@ compared is ``d = trainer - rollout`` at every ``loss_mask`` position (the gener
 Reported per trainer rank: tokens compared, max and mean ``|d|``, the k3 estimate of
 ``KL(rollout || trainer)`` (mean of ``(r - 1) - log r`` with ``r = exp(d)``, unbiased because tokens
 are sampled from the rollout policy), the tails of ``r`` (min, p0.1, p99.9, max), and the ``--worst``
-tokens shown in context (``...3+4=[7]<eos>``: the token in brackets). The exit status is 0 when
+tokens shown in context (``...3+4=[7]<eos>``: the token in brackets). With ``--top-k``, a token whose distribution has its k-th and (k+1)-th
+logits tied (within :data:`TIE_TOL`) is counted as ``topk_ties`` and left out (its support is decided by rounding,
+not by the weights). The exit status is 0 when
 ``max |d| <= --threshold`` on every rank, 1 otherwise, 2 for usage errors; ``--json`` writes every
 number.
 
@@ -64,7 +66,13 @@ CHECKPOINT_MODEL = "model"
 _KIND = "align_groups"
 _ROWS_PER_FORWARD = 32
 _METRICS = ("tokens", "nonfinite", "max_abs_diff", "mean_abs_diff", "k3_kl", "ratio_min", "ratio_p0.1",
-            "ratio_p99.9", "ratio_max")
+            "ratio_p99.9", "ratio_max", "topk_ties")
+TIE_TOL = 1e-5
+"""A top-k boundary closer than this (the k-th and (k+1)-th temperature-scaled logits of the trainer's forward) is a
+tie: fp32 engines agree with the trainer to ~1e-6, so which of the tied tokens is in the engine's top-k is rounding,
+and the sampled token's logprob (renormalised over k or k+1 tokens: ``TopKLogitsWarper`` keeps every token tied
+with the k-th) may differ by ~1/k without any weight or code mismatch. Such tokens are counted (``topk_ties``) and
+left out of the other metrics; a real mismatch moves every token, not only these."""
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                  "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _WORST = ("row", "position", "trainer_logprob", "rollout_logprob", "abs_diff")
@@ -290,7 +298,7 @@ def compare(model: torch.nn.Module, groups: list[Any], *, temperature: float, to
 
     per_forward = max(1, _ROWS_PER_FORWARD // max(len(g.rollouts) for g in groups))
     cols: list[list[torch.Tensor]] = [[] for _ in _WORST]
-    row0 = 0
+    row0, ties = 0, 0
     for start in range(0, len(groups), per_forward):
         batch = collate_groups(groups[start : start + per_forward])
         p = next(model.parameters())
@@ -300,6 +308,10 @@ def compare(model: torch.nn.Module, groups: list[Any], *, temperature: float, to
                               top_k=top_k, top_p=top_p, images=images,
                               suppress_token_ids=vision_token_ids(processor)).cpu().double()
         theirs, mask = batch["rollout_logprobs"].double(), batch["loss_mask"]
+        tied = _topk_ties(model, batch, images, temperature=temperature, top_k=top_k,
+                          suppress_token_ids=vision_token_ids(processor))
+        ties += int((tied & mask).sum())
+        mask = mask & ~tied
         rows, pos = mask.nonzero(as_tuple=True)
         for col, value in zip(cols, (rows + row0, pos, ours[mask], theirs[mask], (ours - theirs)[mask].abs())):
             col.append(value.double())
@@ -312,12 +324,36 @@ def compare(model: torch.nn.Module, groups: list[Any], *, temperature: float, to
     q = torch.quantile(finite, tails).tolist() if finite.numel() else [math.nan] * 2
     lo, hi = (ratio.min(), ratio.max()) if ratio.numel() else (math.nan, math.nan)
     values = (absdiff.numel(), (~torch.isfinite(d)).sum(), absdiff.max() if absdiff.numel() else math.nan,
-              absdiff.mean(), ((ratio - 1) - d).mean(), lo, q[0], q[1], hi)
+              absdiff.mean(), ((ratio - 1) - d).mean(), lo, q[0], q[1], hi, ties)
     metrics = {name: float(v) for name, v in zip(_METRICS, values)}
     top = torch.full((worst, len(_WORST)), math.nan, dtype=torch.float64)
     idx = absdiff.topk(min(worst, absdiff.numel())).indices
     top[: idx.numel()] = torch.stack([row, pos, trainer, rollout, absdiff], dim=1)[idx]
     return metrics, top
+
+
+def _topk_ties(model: torch.nn.Module, batch: dict[str, Any], images: dict[str, torch.Tensor] | None, *,
+               temperature: float, top_k: int, suppress_token_ids: Any) -> torch.Tensor:
+    """``[B, L]`` bool: token ``t``'s distribution (the logits at ``t - 1``) has a top-k boundary tie (:data:`TIE_TOL`);
+    all False without top-k (or ``top_k >= V``). One extra no-grad forward of the batch."""
+    from asyncrl.logprobs import position_ids
+
+    ids, attn = batch["input_ids"], batch["attention_mask"]
+    if top_k <= 0:
+        return torch.zeros(ids.shape, dtype=torch.bool)
+    device = next(model.parameters()).device
+    mask = attn.to(device=device, dtype=torch.long)
+    with torch.no_grad():
+        logits = model(input_ids=ids.to(device=device, dtype=torch.long), attention_mask=mask,
+                       position_ids=position_ids(mask), **(images or {})).logits
+    if top_k >= logits.shape[-1]:
+        return torch.zeros(ids.shape, dtype=torch.bool)
+    scores = logits[:, :-1].float() / temperature
+    if suppress_token_ids:
+        scores[..., list(suppress_token_ids)] = -float("inf")
+    top = scores.topk(top_k + 1, dim=-1).values
+    tied = (top[..., top_k - 1] - top[..., top_k]) <= TIE_TOL
+    return torch.cat([torch.zeros_like(tied[:, :1]), tied], dim=1).cpu()
 
 
 def token_context(tokenizer: Any, ids: torch.Tensor, position: int, before: int = 24, after: int = 8) -> str:
@@ -331,12 +367,13 @@ def token_context(tokenizer: Any, ids: torch.Tensor, position: int, before: int 
 
 
 def _report(ranks: list[dict[str, Any]], groups: list[Any], tokenizer: Any, threshold: float) -> None:
-    head = ["rank", "tokens", "max|d|", "mean|d|", "k3 KL", "r min", "r p0.1", "r p99.9", "r max", "ok"]
-    names = _METRICS[2:]
+    head = ["rank", "tokens", "max|d|", "mean|d|", "k3 KL", "r min", "r p0.1", "r p99.9", "r max", "ties", "ok"]
+    names = _METRICS[2:-1]
     print(f"trainer - rollout logprobs (d), r = exp(d), k3 = KL(rollout||trainer); threshold max|d| <= {threshold:g}")
     print(" ".join(f"{h:>9}" for h in head))
     for r in ranks:
-        cells = [f"{r['rank']:>9}", f"{int(r['tokens']):>9}", *(f"{r[n]:>9.2e}" for n in names)]
+        cells = [f"{r['rank']:>9}", f"{int(r['tokens']):>9}", *(f"{r[n]:>9.2e}" for n in names),
+                 f"{int(r['topk_ties']):>9}"]
         print(" ".join(cells) + f" {'PASS' if r['passed'] else 'FAIL':>9}")
     rows = [r for g in groups for r in g.rollouts]  # collated row order
     for r in ranks:
