@@ -69,6 +69,10 @@ RECIPE_MODES: dict[str, dict[str, Any]] = {
     "async1_w2": {"max_staleness": 1, "workers": 2, "steps_per_batch": 1},
     "sync_t2": {"max_staleness": 0, "workers": 1, "steps_per_batch": 1, "threads": 2,
                 "env": {"OMP_WAIT_POLICY": "PASSIVE"}},
+    "sync_c": {"max_staleness": 0, "workers": 1, "steps_per_batch": 1,
+               "set": ["rollout.worker.engine.compile=true", "rollout.worker.engine.max_num_seqs=32"]},
+    "async1_b2_c": {"max_staleness": 1, "workers": 1, "steps_per_batch": 2,
+                    "set": ["rollout.worker.engine.compile=true", "rollout.worker.engine.max_num_seqs=64"]},
 }
 """The recipe (``torchrun --nproc-per-node 1``): ``sync`` at max_staleness=0 with one local worker; ``async1`` at
 max_staleness=1, as it was measured first; ``async1_b2``: one worker whose ``generate`` takes two steps' groups
@@ -78,7 +82,9 @@ groups each (the trainer's core is mostly idle at max_staleness=1); ``sync_t2``:
 (``train.threads``: at max_staleness=0 trainer and worker take turns, so the worker's core idles while the trainer
 steps) whose OpenMP threads sleep at once after each parallel region (``OMP_WAIT_POLICY=PASSIVE``) instead of spinning
 into the worker's turn (without it, at load 4-5, a 2-thread trainer's step took 1.1-1.6 s instead of 0.03-0.04 s;
-with it 0.04-0.07 s: each parallel region waited for a thread the kernel had descheduled)."""
+with it 0.04-0.07 s: each parallel region waited for a thread the kernel had descheduled); ``sync_c`` and
+``async1_b2_c``: ``sync`` and ``async1_b2`` with ``engine.compile`` (the HF lean decode's one-token step compiled by
+``torch.compile``; ``max_num_seqs`` set so that the worker compiles at start, before its first lease)."""
 MODES = (*TRL_MODES, *RECIPE_MODES)
 DEFAULT_MODES = ("trl", "trl1", "trl1_g2", "sync", "async1", "async1_b2", "async1_w2")
 
@@ -223,7 +229,7 @@ def recipe_overrides(args: argparse.Namespace, mode: str, run_dir: Path) -> list
            f"data.num_prompts={args.num_prompts}", "checkpoint.every=0", "loss.beta=0.0"]
     if settings.get("threads"):
         out.append(f"train.threads={settings['threads']}")
-    return out + list(args.set)
+    return out + list(settings.get("set", ())) + list(args.set)
 
 
 def run_recipe(args: argparse.Namespace, mode: str, run_dir: Path) -> dict[str, Any]:
