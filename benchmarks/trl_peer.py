@@ -145,7 +145,8 @@ def trl_child(args: argparse.Namespace) -> None:
 def engine_child(args: argparse.Namespace) -> None:
     """Times one worker batch of the HF engine (``--prompts-per-step`` prompts x ``--generations``, at most
     ``--max-new-tokens``, one intra-op thread): the lean decode loop against ``generate`` on the same rows and seed,
-    and the lean loop on two steps' prompts at once (``async1_b2``'s batch), interleaved; writes
+    the lean loop on two steps' prompts at once (``async1_b2``'s batch) and the lean loop with ``engine.compile``
+    (compiled before the timed rounds), interleaved; writes
     ``{out}/engine.json``."""
     import torch
 
@@ -167,6 +168,11 @@ def engine_child(args: argparse.Namespace) -> None:
     n = args.prompts_per_step
     paths = {"generate": (engine._sample_generate, n), "lean": (engine._sample_decode, n),
              "lean_2_steps": (engine._sample_decode, 2 * n)}
+    # engine.compile: the same model and seed with the one-token step compiled (warmed up for the step's rows)
+    compiled = build_engine(EngineConfig(type="hf", model=args.model_dir, seed=0, max_new_tokens=args.max_new_tokens,
+                                         temperature=1.0, top_k=0, top_p=1.0, compile=True,
+                                         max_num_seqs=n * args.generations))
+    paths["lean_compiled"] = (compiled._sample_decode, n)
     times: dict[str, list[float]] = {k: [] for k in paths}
     tokens: dict[str, list[int]] = {k: [] for k in paths}
     for repeat in range(-2, args.steps):  # two warm-up rounds
@@ -188,6 +194,7 @@ def run_engine(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     got = json.loads((run_dir / "engine.json").read_text())
     med = {k: statistics.median(v) for k, v in got["batch_s"].items()}
     got["summary"] = {"batch_s": med, "lean_x_generate": med["generate"] / med["lean"],
+                      "compiled_x_lean": med["lean"] / med["lean_compiled"],
                       "rollouts_per_s": {k: got["rows"][k] / v for k, v in med.items()}}
     return got
 
@@ -387,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = run_engine(args, work / "engine")
         e = engine["summary"]
         print("engine alone (s per batch): " + ", ".join(f"{k} {v:.3f}" for k, v in e["batch_s"].items())
-              + f"; lean x generate {e['lean_x_generate']:.2f}", flush=True)
+              + f"; lean x generate {e['lean_x_generate']:.2f}, compiled x lean {e['compiled_x_lean']:.2f}", flush=True)
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for repeat in range(args.repeats):  # interleaved, so drift in the machine's load hits every mode alike
         for mode in modes:
