@@ -55,6 +55,7 @@ from asyncrl.images import processor_inputs, vision_token_ids
 from asyncrl.lifeline import die_with_parent, end_run  # noqa: F401 (tests and benchmarks end runs with it)
 from asyncrl.logprobs import batch_sampling, token_logprobs
 from asyncrl.losses import all_reduce_sum, compute_loss, mismatch_metrics
+from asyncrl.optim import adamw
 from asyncrl.parallel import parallelize
 from asyncrl.policy_sync import PolicySync
 from asyncrl.recipe_config import RecipeConfig, load_config  # the run file's sections, one per component
@@ -71,21 +72,6 @@ from workers.tiny_vlm import build_tiny_vlm
 
 # ----------------------------------------------------------------------------------------------------------------------
 # the recipe
-
-
-def adamw(params: list[torch.Tensor], **kwargs: Any) -> torch.optim.AdamW:
-    """The trainer's AdamW, fused (one kernel over every parameter) where torch has the kernel for all of them:
-    floating-point parameters on CPU or CUDA. Unfused, torch runs CPU parameters through its per-tensor Python
-    loop (``_single_tensor_adamw``), ~6x slower on the tiny model. Same update rule; its state (``step`` a tensor
-    on the parameter's device) checkpoints, resumes and is restored by the guard like the unfused one's."""
-    try:
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-        devices = set(_get_fused_kernels_supported_devices())
-    except ImportError:  # a torch without it: the default implementation
-        devices = set()
-    fused = bool(params) and all(torch.is_floating_point(p) and p.device.type in devices for p in params)
-    return torch.optim.AdamW(params, **kwargs, **({"fused": True} if fused else {}))
 
 
 class GRPORecipe:

@@ -1,4 +1,4 @@
-"""The recipe's AdamW (recipes.grpo.adamw): fused where torch has the kernel, and with it the update guard still
+"""The trainer's AdamW (asyncrl.optim.adamw): fused where torch has the kernel, and with it the update guard still
 undoes a rejected step bit for bit and a saved optimizer state resumes to the same trajectory."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import copy
 import torch
 
 from asyncrl.guard import GuardConfig, UpdateGuard
-from recipes.grpo import adamw
+from asyncrl.optim import adamw
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
