@@ -13,9 +13,9 @@ compared is ``d = trainer - rollout`` at every ``loss_mask`` position (the gener
 Reported per trainer rank: tokens compared, max and mean ``|d|``, the k3 estimate of
 ``KL(rollout || trainer)`` (mean of ``(r - 1) - log r`` with ``r = exp(d)``, unbiased because tokens
 are sampled from the rollout policy), the tails of ``r`` (min, p0.1, p99.9, max), and the ``--worst``
-tokens shown in context (``...3+4=[7]<eos>``: the token in brackets). With ``--top-k``, a token whose distribution has its k-th and (k+1)-th
-logits tied (within :data:`TIE_TOL`) is counted as ``topk_ties`` and left out (its support is decided by rounding,
-not by the weights). The exit status is 0 when
+tokens shown in context (``...3+4=[7]<eos>``: the token in brackets). With ``--top-k``, a token whose
+distribution has its k-th and (k+1)-th logits tied (within :data:`TIE_TOL`) is counted as ``topk_ties`` and left
+out (its support is decided by rounding, not by the weights). The exit status is 0 when
 ``max |d| <= --threshold`` on every rank, 1 otherwise, 2 for usage errors; ``--json`` writes every
 number.
 
