@@ -126,32 +126,17 @@ def collate_groups(groups: list[Group], pad_token_id: int = 0) -> TrainBatch:
 
 
 def _response_versions(rollouts: list, response_lengths: list[int]) -> torch.Tensor:
-    """Every row's response tokens' policy versions, rows concatenated: runs of each rollout's version spans, -1 in
-    gaps between them. Spans out of order or overlapping (later ones win, as slice assignments would) are written
-    one at a time."""
-    values: list[int] = []
+    """Every row's response tokens' policy versions, rows concatenated: each rollout's version spans written in
+    order into its own stretch (a slice of it: clipped to the response, later spans win where they overlap), -1 in
+    gaps between them."""
+    out = torch.full((sum(response_lengths),), -1, dtype=torch.long)
+    offset = 0
     for r, n in zip(rollouts, response_lengths):
-        cursor = 0
-        for version, start, end in r.spans():
-            start, end = max(start, 0), min(end, n)  # clipped to the response, as a slice would be
-            if end <= start:
-                continue
-            if start < cursor:
-                return _response_versions_slow(rollouts, response_lengths)
-            values += [-1] * (start - cursor) + [version] * (end - start)
-            cursor = end
-        values += [-1] * (n - cursor)
-    return torch.tensor(values, dtype=torch.long)
-
-
-def _response_versions_slow(rollouts: list, response_lengths: list[int]) -> torch.Tensor:
-    out = []
-    for r, n in zip(rollouts, response_lengths):
-        row = torch.full((n,), -1, dtype=torch.long)
+        row = out[offset : offset + n]
         for version, start, end in r.spans():
             row[start:end] = version
-        out.append(row)
-    return torch.cat(out)
+        offset += n
+    return out
 
 
 def _images(rollouts: list) -> dict[str, Any]:
