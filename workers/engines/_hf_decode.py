@@ -28,8 +28,8 @@ It draws from a ``torch.Generator`` the engine seeds (not the process RNG): the 
 ``engine.compile`` (:class:`CompiledStep`): the prefill as above (over a ``StaticCache`` instead), then every step
 a forward compiled by ``torch.compile`` (inductor, ``dynamic=False``) over that cache, the batch padded to a bucket
 of rows and cache columns. The same uniforms, so the same tokens up to the float rounding of fused kernels. For
-the tiny model (32 rows x 32 tokens, one CPU thread) the whole decode took 77 ms against 98 ms eager (2.4 against
-3.1 ms a step, sampling included; medians of 10 alternated rounds); compiling a bucket takes ~5 s (~25 s on a
+the tiny model (a step's 32 rows, <= 32 tokens, one CPU thread) the whole decode took 99 ms against 122 ms eager
+(``python benchmarks/trl_peer.py --engine``, quiet; medians of 10 interleaved rounds); compiling a bucket takes ~5 s (~25 s on a
 loaded machine). On a GPU, ``CompiledStep(mode="reduce-overhead")`` (CUDA graphs) is the next step: the cache keeps its
 addresses and the logits are copied out before the next replay (not tried: no GPU here).
 
