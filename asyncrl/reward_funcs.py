@@ -4,7 +4,8 @@ Each takes the completions (a str, or TRL's conversational ``[{"role": "assistan
 the prompt columns it needs as keywords, and ignores the rest (``**kwargs``): ``math_reward`` (``math-verify``
 against ``answer`` or TRL's ``solution``), ``format_reward`` (``<think>...</think><answer>...</answer>``; any
 pattern with :func:`make_format_reward`), ``reasoning_gym_reward`` (the task's own ``score_answer`` from
-``metadata["source_dataset"]``), ``arithmetic_reward`` (the embedded task) and ``fake_reward`` (the fake engine).
+``metadata["source_dataset"]``), ``arithmetic_reward`` (the embedded task), ``visual_reward`` (the visual tasks)
+and ``fake_reward`` (the fake engine).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ __all__ = [
     "make_format_reward",
     "math_reward",
     "reasoning_gym_reward",
+    "visual_reward",
 ]
 
 
@@ -113,6 +115,19 @@ def arithmetic_reward(completions: Sequence[Any], answer: Sequence[Any], finish_
     ``reward = exact + 0.5 * (1 - exact) * prefix``, where ``prefix`` is the fraction of the answer's characters
     the response starts with; components ``exact``, ``prefix`` and ``stopped`` (1 when the response ended by itself).
     """
+    return _answer_match(completions, answer, finish_reason)
+
+
+def visual_reward(completions: Sequence[Any], answer: Sequence[Any], finish_reason: Sequence[str] | None = None,
+                  **kwargs: Any) -> list[dict[str, float]]:
+    """The visual tasks' reward (``workers.visual_task``: a count digit, a colour word): the response against the
+    answer word, scored as :func:`arithmetic_reward` scores a sum (exact, with partial credit for a correct prefix;
+    components ``exact``, ``prefix``, ``stopped``)."""
+    return _answer_match(completions, answer, finish_reason)
+
+
+def _answer_match(completions: Sequence[Any], answer: Sequence[Any],
+                  finish_reason: Sequence[str] | None) -> list[dict[str, float]]:
     out = []
     for i, (completion, gold) in enumerate(zip(completions, answer)):
         gold, text = str(gold), completion_text(completion).strip()

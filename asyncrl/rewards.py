@@ -39,7 +39,8 @@ get the prompt items and :class:`~workers.engines.base.Completion` objects, as b
 
 Built in (``reward.funcs`` names, :mod:`asyncrl.reward_funcs`, re-exported here): ``math`` (:func:`math_reward`,
 ``math-verify``), ``format`` (:func:`format_reward`), ``reasoning_gym`` (:func:`reasoning_gym_reward`, the
-task's own ``score_answer``), ``arithmetic`` (:func:`arithmetic_reward`, the embedded task) and ``fake``
+task's own ``score_answer``), ``arithmetic`` (:func:`arithmetic_reward`, the embedded task), ``visual``
+(:func:`visual_reward`, the visual tasks) and ``fake``
 (:func:`fake_reward`).
 """
 
@@ -60,6 +61,7 @@ from asyncrl.reward_funcs import (
     make_format_reward,
     math_reward,
     reasoning_gym_reward,
+    visual_reward,
 )
 
 __all__ = [
@@ -77,6 +79,7 @@ __all__ = [
     "math_reward",
     "reasoning_gym_reward",
     "reward_weights",
+    "visual_reward",
 ]
 
 UNSCORED = "unscored"
@@ -97,6 +100,7 @@ BUILTIN: dict[str, Callable[..., Any]] = {
     "format": format_reward,
     "reasoning_gym": reasoning_gym_reward,
     "arithmetic": arithmetic_reward,
+    "visual": visual_reward,
     "fake": fake_reward,
 }
 """Short names ``reward.funcs`` accepts besides ``module:function``."""

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from asyncrl import EngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
+from asyncrl import FakeEngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
 from asyncrl.checkpoint import CheckpointDir
 from asyncrl.config import GateConfig, WeightSyncConfig
 from asyncrl.rollout import Group
@@ -65,7 +65,7 @@ def prompts(n: int) -> list[dict[str, Any]]:
 
 def worker_config(weights_dir: str) -> WorkerConfig:
     """Local and remote workers alike: fake engine, shm weights of the run."""
-    return WorkerConfig(slots=4, max_batch=2, engine=EngineConfig(max_new_tokens=16, seconds_per_token=0.001),
+    return WorkerConfig(slots=4, max_batch=2, engine=FakeEngineConfig(max_new_tokens=16, seconds_per_token=0.001),
                         weights=WeightSyncConfig(type="shm", address=weights_dir, wait_for_first_s=60))
 
 

@@ -83,7 +83,7 @@ from tqdm import tqdm
 
 from benchmarks._report import machine
 from asyncrl.codec import decode, encode
-from asyncrl.config import EngineConfig, LoaderConfig, WorkerConfig
+from asyncrl.config import FakeEngineConfig, LoaderConfig, WorkerConfig
 from asyncrl.rollout import Group
 from asyncrl.transport import ReceivedLease, RolloutSender
 from datapipes.collate import TrainBatch, collate_groups
@@ -100,7 +100,7 @@ MB = 1e6
 PAYLOAD_BYTES_KEY = "payload_bytes"
 TENSOR_FIELDS = ("prompt_ids", "response_ids", "logprobs")  # the payload counted in bytes/s
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-ENGINE = EngineConfig(min_new_tokens=RESPONSE_TOKENS, max_new_tokens=RESPONSE_TOKENS, seconds_per_token=0.0)
+ENGINE = FakeEngineConfig(min_new_tokens=RESPONSE_TOKENS, max_new_tokens=RESPONSE_TOKENS, seconds_per_token=0.0)
 TARGETS = {"asyncrl/mp_queue": 2.0, "asyncrl/zmq_raw": 0.75, "asyncrl/ray_actor": 5.0}
 Step = Callable[[], tuple[int, int]]  # consumes one delivery -> (rollouts, payload bytes)
 

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.debug.detectors import DebugConfig, Debugger
+from asyncrl.config import DebugConfig
+from asyncrl.debug.detectors import Debugger
 from asyncrl.rollout import Group, Rollout
 from benchmarks._report import machine
 from datapipes.collate import collate_groups

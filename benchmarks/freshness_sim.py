@@ -66,7 +66,7 @@ from typing import Any
 
 import torch
 
-from asyncrl import EngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WeightSyncConfig, WorkerConfig
+from asyncrl import FakeEngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WeightSyncConfig, WorkerConfig
 from asyncrl.codec import dumps_json
 from asyncrl.weights import WeightBroadcaster, setup_weight_broadcaster
 from benchmarks._report import machine
@@ -222,8 +222,7 @@ def loader_capacity(sim: SimConfig, *, max_staleness: int, num_workers: int) -> 
 
 
 def _loader_config(sim: SimConfig, *, max_staleness: int, num_workers: int, weights_address: str) -> LoaderConfig:
-    engine = EngineConfig(
-        type="fake",
+    engine = FakeEngineConfig(
         seed=sim.seed,
         min_new_tokens=sim.min_new_tokens,
         max_new_tokens=sim.max_new_tokens,
@@ -235,7 +234,7 @@ def _loader_config(sim: SimConfig, *, max_staleness: int, num_workers: int, weig
     )
     worker = WorkerConfig(
         engine=engine,
-        reward="workers.rewards:fake_reward",
+        reward="fake",
         weights=WeightSyncConfig(type="shm", address=weights_address),
         slots=sim.worker_slots(),
         max_batch=sim.max_batch,

@@ -86,12 +86,12 @@ def run_streamed(engine: Any, requests: list[Any], slots: int) -> dict[str, Any]
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from asyncrl.config import EngineConfig
+    from asyncrl.config import HFEngineConfig
     from workers.engines.base import build_engine
     from workers.tiny_model import build_tiny_model
 
     model = args.model or str(build_tiny_model(Path(tempfile.mkdtemp(prefix="asyncrl-hf-stream-")) / "tiny"))
-    config = EngineConfig(type="hf", model=model, seed=0, temperature=1.0, ignore_eos=True,
+    config = HFEngineConfig(model=model, seed=0, temperature=1.0, ignore_eos=True,
                           length_tail=args.length_tail, length_median=args.length_median, min_new_tokens=1,
                           max_new_tokens=args.max_new_tokens, max_num_seqs=args.max_batch * args.group_size)
     requests = _requests(args.groups, args.group_size)

@@ -150,14 +150,14 @@ def engine_child(args: argparse.Namespace) -> None:
     ``{out}/engine.json``."""
     import torch
 
-    from asyncrl.config import EngineConfig
+    from asyncrl.config import HFEngineConfig
     from workers.engines.base import build_engine
     from workers.engines.hf import left_pad
     from workers.tasks import arithmetic_prompts
 
     torch.set_num_threads(1)
     out = Path(args.engine_child)
-    engine = build_engine(EngineConfig(type="hf", model=args.model_dir, seed=0, max_new_tokens=args.max_new_tokens,
+    engine = build_engine(HFEngineConfig(model=args.model_dir, seed=0, max_new_tokens=args.max_new_tokens,
                                        temperature=1.0, top_k=0, top_p=1.0))
     rows = arithmetic_prompts(4 * args.prompts_per_step, seed=0)
 
@@ -169,7 +169,7 @@ def engine_child(args: argparse.Namespace) -> None:
     paths = {"generate": (engine._sample_generate, n), "lean": (engine._sample_decode, n),
              "lean_2_steps": (engine._sample_decode, 2 * n)}
     # engine.compile: the same model and seed with the one-token step compiled (warmed up for the step's rows)
-    compiled = build_engine(EngineConfig(type="hf", model=args.model_dir, seed=0, max_new_tokens=args.max_new_tokens,
+    compiled = build_engine(HFEngineConfig(model=args.model_dir, seed=0, max_new_tokens=args.max_new_tokens,
                                          temperature=1.0, top_k=0, top_p=1.0, compile=True,
                                          max_num_seqs=n * args.generations))
     paths["lean_compiled"] = (compiled._sample_decode, n)

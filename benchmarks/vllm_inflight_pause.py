@@ -43,7 +43,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     import workers.tiny_model as tm
-    from asyncrl.config import EngineConfig
+    from asyncrl.config import VllmEngineConfig
     from asyncrl.weights.base import WeightUpdate
     from workers.engines.base import GenerationRequest, build_engine
 
@@ -56,7 +56,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         tm.TINY_CONFIG = saved
     t0 = time.perf_counter()
-    engine = build_engine(EngineConfig(type="vllm", model=str(model_dir), seed=1, ignore_eos=True,
+    engine = build_engine(VllmEngineConfig(model=str(model_dir), seed=1, ignore_eos=True,
                                        max_new_tokens=args.tokens, max_model_len=args.tokens + 16))
     startup_s = time.perf_counter() - t0
     base = load_file(model_dir / "model.safetensors")

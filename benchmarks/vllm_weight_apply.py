@@ -37,7 +37,7 @@ def measure(layers: int, hidden: int, intermediate: int, repeats: int) -> dict[s
     from safetensors.torch import load_file
 
     import workers.tiny_model as tm
-    from asyncrl.config import EngineConfig
+    from asyncrl.config import VllmEngineConfig
     from asyncrl.weights.base import WeightUpdate
     from asyncrl.weights.shm_weights import ShmWeightBroadcaster, ShmWeightReceiver
     from workers.engines.base import build_engine
@@ -51,7 +51,7 @@ def measure(layers: int, hidden: int, intermediate: int, repeats: int) -> dict[s
         model_dir = tm.build_tiny_model(work / "model")
     finally:
         tm.TINY_CONFIG = saved
-    engine = build_engine(EngineConfig(type="vllm", model=str(model_dir), seed=3, max_model_len=128,
+    engine = build_engine(VllmEngineConfig(model=str(model_dir), seed=3, max_model_len=128,
                                        kv_cache_bytes=64 << 20))
     base = load_file(model_dir / "model.safetensors")
     b = ShmWeightBroadcaster(work / "weights")

@@ -19,7 +19,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from asyncrl import EngineConfig, LoaderConfig, RolloutLoader, WorkerConfig
+from asyncrl import FakeEngineConfig, LoaderConfig, RolloutLoader, WorkerConfig
 
 
 def make_loader(args: argparse.Namespace, prompts: list[dict]) -> RolloutLoader:
@@ -30,7 +30,7 @@ def make_loader(args: argparse.Namespace, prompts: list[dict]) -> RolloutLoader:
         num_workers=args.workers,
         capacity=4 * args.batch_size,
         wait_timeout_s=120,
-        worker=WorkerConfig(engine=EngineConfig(max_new_tokens=64, seconds_per_token=args.seconds_per_token)),
+        worker=WorkerConfig(engine=FakeEngineConfig(max_new_tokens=64, seconds_per_token=args.seconds_per_token)),
     )
     return RolloutLoader(prompts, config)
 

@@ -25,10 +25,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncrl import EngineConfig, RolloutLoader, WorkerConfig
+from asyncrl import HFEngineConfig, RolloutLoader, WorkerConfig
 from asyncrl.checkpoint import Checkpointer
 from asyncrl.config import WeightSyncConfig
-from asyncrl.guard import GuardConfig, UpdateGuard
+from asyncrl.config import GuardConfig
+from asyncrl.guard import UpdateGuard
 from asyncrl.logprobs import batch_logprobs
 from asyncrl.policy_sync import PolicySync
 from asyncrl.run_dir import continue_records, hold_run_dir
@@ -69,8 +70,8 @@ loader = RolloutLoader(
     batch_size=8,
     drop_remainder=True,
     worker=WorkerConfig(
-        engine=EngineConfig(type="hf", model=str(model_dir), max_new_tokens=4),
-        reward="workers.rewards:arithmetic_reward",
+        engine=HFEngineConfig(model=str(model_dir), max_new_tokens=4),
+        reward="arithmetic",
         weights=WeightSyncConfig(type="shm", address=weights.address),
     ),
 )

@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 2 recipes/grpo.py --config recipes/configs/tiny_cpu.yaml rollout.max_staleness=0
     torchrun --nproc-per-node 1 recipes/grpo.py --config recipes/configs/tiny_cpu.yaml lora.rank=8 train.lr=0.01
 
-The run file's sections are ``asyncrl.recipe_config.RecipeConfig``'s (each component's own config class).
+The run file's sections are ``asyncrl.config.RecipeConfig``'s (each component's own config class).
 One knob selects the regime: ``rollout.max_staleness`` = 0 (synchronous, on-policy), 1 (one-step
 off-policy), k (fully async). Per step, on every rank::
 
@@ -58,7 +58,7 @@ from asyncrl.losses import all_reduce_sum, compute_loss, mismatch_metrics
 from asyncrl.optim import adamw
 from asyncrl.parallel import parallelize
 from asyncrl.policy_sync import PolicySync
-from asyncrl.recipe_config import RecipeConfig, load_config  # the run file's sections, one per component
+from asyncrl.config import RecipeConfig, load_config  # the run file's sections, one per component
 from asyncrl.reference import ReferencePolicy
 from asyncrl.rewards import RewardSet, component_means, reward_weights
 from asyncrl.run_dir import RunDirLocked, continue_records, hold_run_dir, record_files
@@ -227,7 +227,7 @@ class GRPORecipe:
         cfg = self.cfg
         worker = dataclasses.replace(
             cfg.rollout.worker,
-            reward=cfg.reward or cfg.rollout.worker.reward,
+            testing=cfg.testing,  # the workers' injected faults (tests only)
             weights=dataclasses.replace(cfg.weights, address=self.weights_address),
             engine=dataclasses.replace(cfg.rollout.worker.engine, model=self.model_dir, lora_rank=cfg.lora.rank,
                                        dtype=cfg.model.dtype, **({"quantization": "nf4"} if cfg.lora.qlora else {})),
@@ -268,7 +268,7 @@ class GRPORecipe:
                 bar.update()
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                     self.save_checkpoint()
-                if cfg.train.pause_after_step == self.step:
+                if cfg.testing.pause_after_step == self.step:
                     time.sleep(3600)
                 if self.step >= cfg.train.steps:
                     break
@@ -280,7 +280,7 @@ class GRPORecipe:
         self.step += 1
         rewards = batch["rewards"]
         staleness = (self.version - batch["policy_versions"]).float()  # at consumption, before this update
-        if cfg.guard.inject_nan_at_step == self.step:
+        if cfg.testing.inject_nan_at_step == self.step:
             rewards = torch.full_like(rewards, float("nan"))
         dev = lambda t: t.to(self.device)
         ids, attn, mask = dev(batch["input_ids"]), dev(batch["attention_mask"]), dev(batch["loss_mask"])
@@ -351,11 +351,11 @@ class GRPORecipe:
         self.checkpointer.save(self.step, self.version, files={"config.json": dumps_json(dataclasses.asdict(self.cfg))})
 
     def _save_fault(self, point: str, step: int) -> None:
-        """Fault injection (``train.pause_in_save_at_step``): rank 0 sleeps at one point of one save."""
-        train = self.cfg.train
-        if step == train.pause_in_save_at_step and point == train.pause_in_save_point:
+        """Fault injection (``testing.pause_in_save_at_step``): rank 0 sleeps at one point of one save."""
+        testing = self.cfg.testing
+        if step == testing.pause_in_save_at_step and point == testing.pause_in_save_point:
             print(f"[rank {self.rank}] pausing in the save of step {step} after {point!r} "
-                  f"(train.pause_in_save_at_step)", file=sys.stderr, flush=True)
+                  f"(testing.pause_in_save_at_step)", file=sys.stderr, flush=True)
             time.sleep(3600)
 
     # -- cleanup -----------------------------------------------------------------------------------------------------

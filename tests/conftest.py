@@ -58,11 +58,11 @@ class SharedVLLMEngine:
 
     def get(self):
         if self._engine is None:
-            from asyncrl.config import EngineConfig
+            from asyncrl.config import VllmEngineConfig
             from tests.engine_utils import SAMPLING
             from workers.engines.base import build_engine
 
-            self._engine = build_engine(EngineConfig(type="vllm", model=self.model_dir, seed=3, max_new_tokens=16,
+            self._engine = build_engine(VllmEngineConfig(model=self.model_dir, seed=3, max_new_tokens=16,
                                                      lora_rank=4, **SAMPLING))
         return self._engine
 

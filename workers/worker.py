@@ -410,7 +410,7 @@ def run_worker(
         weights=receiver,
         environment=environment,
         interrupt_every_tokens=config.interrupt_every_tokens,
-        fault=config.fault,
+        fault=config.testing.worker_fault,
         catch_up_s=config.weights.catch_up_s,
         streaming=config.streaming,
         slots=config.slots,

@@ -50,13 +50,14 @@ def load_trainer_policy(ctx: Any) -> torch.nn.Module:
     else:
         model = AutoModelForCausalLM.from_pretrained(ctx.model, dtype=getattr(torch, ctx.dtype))
     if ctx.lora_rank:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
 
-        from asyncrl.recipe_config import LoraSettings
+        from asyncrl.config import LoraConfig
 
-        lora = LoraSettings(rank=ctx.lora_rank)
-        model = get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha,
-                                                 target_modules=lora.target_modules))
+        lora = LoraConfig(rank=ctx.lora_rank)
+        model = get_peft_model(model, PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha,
+                                                     target_modules=lora.target_modules))
     return model
 
 

@@ -45,11 +45,13 @@ _START_S = 300.0
 
 
 def engine_config(ctx: Any, *, max_model_len: int = 256) -> dict[str, Any]:
-    """The ``EngineConfig`` fields for a check (a dict: it travels to the child as JSON)."""
+    """The engine config fields for a check, by ``ctx.engine``'s type (a dict: it travels to the child as JSON)."""
+    own = {"max_model_len": max_model_len, "kv_cache_bytes": 64 << 20} if ctx.engine == "vllm" else {}
+    if ctx.qlora:  # an hf field: a vLLM engine is refused the 4-bit base, with the reason
+        own["quantization"] = "nf4"
     return {"type": ctx.engine, "model": ctx.model, "dtype": ctx.dtype, "seed": ctx.seed,
             "temperature": ctx.temperature, "top_k": ctx.top_k, "top_p": ctx.top_p,
-            "max_new_tokens": ctx.max_new_tokens, "min_new_tokens": 0, "max_model_len": max_model_len,
-            "kv_cache_bytes": 64 << 20, "lora_rank": ctx.lora_rank, **({"quantization": "nf4"} if ctx.qlora else {})}
+            "max_new_tokens": ctx.max_new_tokens, "min_new_tokens": 0, "lora_rank": ctx.lora_rank, **own}
 
 
 class EngineProcess:

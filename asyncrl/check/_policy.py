@@ -27,7 +27,7 @@ QLORA_SKIP = ("--qlora: this stage builds the policy in full precision (a LoRA a
               "the 4-bit base of QLoRA is not covered by it yet")
 """Why ``parallel``, ``checkpoint`` and ``loss`` skip under ``--qlora`` (a skipped stage is ok, and says so)."""
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
-"""The recipe's default ``lora.target_modules`` (``asyncrl.recipe_config``)."""
+"""The recipe's default ``lora.target_modules`` (``asyncrl.config.LoraConfig``)."""
 
 
 def import_all(modules: Sequence[str]) -> None:

@@ -1,7 +1,7 @@
 """Stage ``loss``: data format and loss. One GRPO step on the engine's own rollouts, collated as training does.
 
     check process:  policy = build_policy(ctx)                 (the trainer's; LoRA: its adapter)
-                    engine = build_engine(EngineConfig(ctx))   (as a worker builds it), apply_weights(policy)
+                    engine = build_engine(engine_config(ctx))   (as a worker builds it), apply_weights(policy)
                     groups = engine.generate(prompts, n)  ──►  collate_groups (the loader's collate)
                     format     every row: prompt + response tokens in place, attention over real tokens only,
                                loss_mask exactly on the generated response tokens, no padding inside a response
@@ -248,7 +248,8 @@ def run(ctx: CheckContext) -> StageResult:
     """One GRPO step on the engine's rollouts (see the module docstring)."""
     from transformers import AutoTokenizer
 
-    from asyncrl.losses import LossConfig, mismatch_metrics
+    from asyncrl.config import LossConfig
+    from asyncrl.losses import mismatch_metrics
     from datapipes.collate import collate_groups
 
     t0 = time.perf_counter()

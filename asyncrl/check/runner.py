@@ -74,10 +74,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _qlora_available() -> bool:
     """Whether the QLoRA trainer/engine path (issue 15, ``lora.qlora``) is in this tree."""
-    from asyncrl import recipe_config
+    from asyncrl.config import LoraConfig
 
-    return any("qlora" in getattr(cls, "__dataclass_fields__", {}) for cls in vars(recipe_config).values()
-               if isinstance(cls, type))
+    return "qlora" in LoraConfig.__dataclass_fields__
 
 
 def parse_context(argv: list[str]) -> tuple[CheckContext, list[str], str | None]:

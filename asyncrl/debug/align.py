@@ -112,7 +112,8 @@ def _read_prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     from workers.tasks import arithmetic_prompts
 
     if args.images and not args.prompts_file:  # rendered by the model's processor, images as PNG bytes
-        from asyncrl.data import DataConfig, load_prompts
+        from asyncrl.config import DataConfig
+        from asyncrl.data import load_prompts
 
         return list(load_prompts(DataConfig(source="visual_count", num_prompts=args.prompts, seed=args.seed),
                                  args.model))
@@ -125,7 +126,8 @@ def _read_prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error(f"--prompts-file {args.prompts_file}: need one JSON object with 'text', 'prompt_ids' or "
                      "'messages' + 'images' per line")
     if any(p.get("images") for p in prompts):
-        from asyncrl.data import DataConfig, load_prompts
+        from asyncrl.config import DataConfig
+        from asyncrl.data import load_prompts
 
         return list(load_prompts(DataConfig(source="datasets", path=args.prompts_file), args.model))
     return prompts
@@ -188,7 +190,7 @@ def _weight_update(model: torch.nn.Module) -> Any:
 
 def _generate(args: argparse.Namespace, prompts: list[Any], tokenizer: Any, model: torch.nn.Module) -> list[Any]:
     """Rank 0: K samples per prompt from the engine, loaded with the engine checkpoint, as groups."""
-    from asyncrl.config import EngineConfig
+    from asyncrl.config import EngineConfig, from_dict
     from asyncrl.qlora import is_quantized
     from workers.engines.base import GenerationRequest, build_engine, prompt_token_ids
 
@@ -198,11 +200,14 @@ def _generate(args: argparse.Namespace, prompts: list[Any], tokenizer: Any, mode
         update = _weight_update(model if ckpt == args.checkpoint else load_policy(args.model, ckpt, model.dtype))
     longest = max(prompt_token_ids(p, tokenizer).numel() for p in prompts)
     lora_rank = update.lora_config["r"] if update is not None and update.mode == "lora" else 0
-    engine = build_engine(EngineConfig(
+    own = ({"max_model_len": longest + args.max_new_tokens, "kv_cache_bytes": args.kv_cache_mb << 20}
+           if args.engine == "vllm" else {})
+    if is_quantized(model):  # a QLoRA checkpoint: the same 4-bit base (an hf field: vLLM is refused, with the reason)
+        own["quantization"] = "nf4"
+    engine = build_engine(from_dict(EngineConfig, dict(
         type=args.engine, model=args.model, dtype=args.dtype, seed=args.seed, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.max_new_tokens, min_new_tokens=0,
-        max_model_len=longest + args.max_new_tokens, kv_cache_bytes=args.kv_cache_mb << 20, lora_rank=lora_rank,
-        quantization="nf4" if is_quantized(model) else "none"))  # a QLoRA checkpoint: the same 4-bit base
+        lora_rank=lora_rank, **own)))
     try:
         if update is not None:
             engine.apply_weights(update)  # the real update path of a worker

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from asyncrl import EngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
+from asyncrl import FakeEngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
 
 
 def make_loader(num_prompts: int, streaming: bool = False) -> RolloutLoader:
@@ -32,7 +32,7 @@ def make_loader(num_prompts: int, streaming: bool = False) -> RolloutLoader:
         poll_timeout_s=0.2,
         transport=TransportConfig(heartbeat_s=0.2, peer_timeout_s=2.0, handshake_timeout_s=60),
         worker=WorkerConfig(slots=2, max_batch=2, streaming=streaming,
-                            engine=EngineConfig(max_new_tokens=24, seconds_per_token=0.002)),
+                            engine=FakeEngineConfig(max_new_tokens=24, seconds_per_token=0.002)),
     )
     prompts = [{"prompt_ids": [i % 250 + 1, 7, 9]} for i in range(num_prompts)]
     return RolloutLoader(prompts, config)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from asyncrl.config import EngineConfig
+from asyncrl.config import HFEngineConfig
 from asyncrl.weights import setup_weight_broadcaster, setup_weight_receiver
 from asyncrl.weights.state import policy_state
 from workers.engines.hf import HFEngine
@@ -102,7 +102,7 @@ def main(out_dir: str, bucket_bytes: int) -> None:
         broadcaster = setup_weight_broadcaster("shm", directory=out / "shm", bucket_bytes=bucket_bytes)
         receiver = setup_weight_receiver("shm", broadcaster.address, receiver_id="w0")
         receiver.start()
-        engine = HFEngine(EngineConfig(type="hf", model=model_dir, lora_rank=LORA["r"], max_new_tokens=8))
+        engine = HFEngine(HFEngineConfig(model=model_dir, lora_rank=LORA["r"], max_new_tokens=8))
     report = {"rank": rank, "world": dist.get_world_size(), "publishes": []}
     plain, peft = build(model_dir, lora=False), build(model_dir, lora=True)
     for version, (model, mode) in enumerate([(plain, "full"), (peft, "lora"), (peft, "full")], start=1):

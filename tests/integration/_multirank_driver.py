@@ -13,7 +13,7 @@ import sys
 
 import torch.distributed as dist
 
-from asyncrl import EngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
+from asyncrl import FakeEngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
 
 NUM_PROMPTS = 96
 
@@ -28,7 +28,7 @@ def make_loader() -> RolloutLoader:
         max_staleness=None,
         wait_timeout_s=120,
         transport=TransportConfig(heartbeat_s=0.2, peer_timeout_s=10),
-        worker=WorkerConfig(slots=2, max_batch=2, engine=EngineConfig(max_new_tokens=16, seconds_per_token=0.001)),
+        worker=WorkerConfig(slots=2, max_batch=2, engine=FakeEngineConfig(max_new_tokens=16, seconds_per_token=0.001)),
     )
     prompts = [{"prompt_ids": list(range(1, 2 + i % 13))} for i in range(NUM_PROMPTS)]
     return RolloutLoader(prompts, config, prompt_lengths=[1 + i % 13 for i in range(NUM_PROMPTS)])

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from asyncrl.losses import LossConfig, all_reduce_sum, compute_loss, mismatch_metrics, policy_loss
+from asyncrl.config import LossConfig
+from asyncrl.losses import all_reduce_sum, compute_loss, mismatch_metrics, policy_loss
 
 ROWS, LENGTH, GROUP = 16, 12, 2
 CONFIGS = {

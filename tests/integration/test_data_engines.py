@@ -10,8 +10,9 @@ import json
 import msgpack
 import pytest
 
-from asyncrl.config import EngineConfig
-from asyncrl.data import DataConfig, load_prompts
+from asyncrl.config import HFEngineConfig, VllmEngineConfig
+from asyncrl.config import DataConfig
+from asyncrl.data import load_prompts
 from tests.engine_utils import SAMPLING, TOL, collate, load_model, max_logprob_diff
 from workers.engines.base import GenerationRequest, build_engine
 
@@ -56,7 +57,7 @@ def _check(engine, prompts, tiny_chat_model):
 
 
 def test_hf_engine_generates_from_the_rendered_prompt(prompts, tiny_chat_model):
-    engine = build_engine(EngineConfig(type="hf", model=tiny_chat_model, seed=1, max_new_tokens=8, **SAMPLING))
+    engine = build_engine(HFEngineConfig(model=tiny_chat_model, seed=1, max_new_tokens=8, **SAMPLING))
     try:
         _check(engine, prompts, tiny_chat_model)
     finally:
@@ -71,7 +72,7 @@ def test_vllm_engine_generates_from_the_rendered_prompt(prompts, tiny_chat_model
     from asyncrl.weights import _delta_kernels
 
     _delta_kernels.warm()
-    engine = build_engine(EngineConfig(type="vllm", model=tiny_chat_model, seed=1, max_new_tokens=8,
+    engine = build_engine(VllmEngineConfig(model=tiny_chat_model, seed=1, max_new_tokens=8,
                                        max_model_len=256, **SAMPLING))
     try:
         assert engine.tokenizer.eos_token == "<|im_end|>"

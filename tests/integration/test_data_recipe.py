@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.data import DataConfig, load_prompts
+from asyncrl.config import DataConfig
+from asyncrl.data import load_prompts
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -83,7 +84,7 @@ def test_a_jsonl_of_messages_trains_and_the_trainer_sees_the_chat_template(tmp_p
     run = tmp_path / "run"
     out = _run(CONFIGS / "tiny_cpu.yaml", run, f"model.path={tiny_chat_model}", "data.source=datasets",
                f"data.path={data}", "data.max_prompt_length=32", "rollout.worker.reward={funcs: [arithmetic]}",
-               "guard.inject_nan_at_step=1", "debug.enabled=false", *SHORT)
+               "testing.inject_nan_at_step=1", "debug.enabled=false", *SHORT)
     assert "dropped 1 of 17 prompts longer than data.max_prompt_length=32 tokens" in out
     rows = _metrics(run)
     assert len(rows) == 3 and not rows[0]["accepted"] and all(r["accepted"] for r in rows[1:])

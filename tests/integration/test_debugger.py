@@ -37,8 +37,8 @@ def test_fault_is_detected_where_it_starts_and_replay_names_the_cause(tmp_path, 
     run = tmp_path / "run"
     fraction = 0.5 if fault == "nan_logprobs" else 1.0  # rejected groups must be able to pass on re-lease
     _finish(_torchrun(run, *EXACT, *SMALL, "train.steps=6", "checkpoint.every=1", "checkpoint.keep=10",
-                      f"rollout.worker.fault.kind={fault}", f"rollout.worker.fault.from_version={FROM_VERSION}",
-                      f"rollout.worker.fault.fraction={fraction}", nproc=1))
+                      f"testing.worker_fault.kind={fault}", f"testing.worker_fault.from_version={FROM_VERSION}",
+                      f"testing.worker_fault.fraction={fraction}", nproc=1))
     records = read_records(run / "debug" / "steps-rank0.jsonl")
     assert [r["step"] for r in records] == list(range(1, 7))
     # where it starts: the first step that consumes rollouts of the faulty version (rejected ones never

@@ -47,7 +47,7 @@ def test_freshness_ratios_match_baseline(tmp_path):
 @pytest.mark.integration
 @pytest.mark.vllm
 def test_vllm_ignore_eos_follows_length_targets(tmp_path):
-    from asyncrl.config import EngineConfig
+    from asyncrl.config import VllmEngineConfig
     from tests.engine_utils import PROMPTS, SAMPLING, TOL, load_model, max_logprob_diff
     from workers.engines.base import GenerationRequest, build_engine
     from workers.engines.hf import length_targets
@@ -55,7 +55,7 @@ def test_vllm_ignore_eos_follows_length_targets(tmp_path):
 
     model_dir = str(build_tiny_model(tmp_path / "tiny"))
     stop = list(range(3, 40))  # many stop tokens: most responses run on past one
-    config = EngineConfig(type="vllm", model=model_dir, seed=3, stop_token_ids=stop, ignore_eos=True, length_tail=1.0,
+    config = VllmEngineConfig(model=model_dir, seed=3, stop_token_ids=stop, ignore_eos=True, length_tail=1.0,
                           length_median=6, min_new_tokens=2, max_new_tokens=24, **SAMPLING)
     engine = build_engine(config)
     try:

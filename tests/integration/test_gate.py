@@ -13,7 +13,7 @@ import pytest
 import torch
 import zmq
 
-from asyncrl import EngineConfig, GateConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
+from asyncrl import FakeEngineConfig, GateConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
 from asyncrl.codec import decode, encode
 from asyncrl.ledger import PromptLedger
 from asyncrl.pool import RolloutPool
@@ -98,7 +98,7 @@ def _config(*, gate: GateConfig | None = None, heartbeat_s: float = 0.2, **overr
         lease_timeout_s=20,  # not reached when the gate works; bounds the test when it does not
         gate=gate or GateConfig(),
         transport=TransportConfig(heartbeat_s=heartbeat_s, peer_timeout_s=max(5.0, 4 * heartbeat_s)),
-        worker=WorkerConfig(engine=EngineConfig(max_new_tokens=8, seconds_per_token=0.005)),
+        worker=WorkerConfig(engine=FakeEngineConfig(max_new_tokens=8, seconds_per_token=0.005)),
     )
     return LoaderConfig(**{**settings, **overrides})
 

@@ -30,7 +30,7 @@ def _worker(endpoint: str, worker_id: str, engine: str, model_dir: str) -> subpr
         "worker.engine.temperature": SAMPLING["temperature"],
         "worker.engine.top_k": SAMPLING["top_k"],
         "worker.engine.top_p": SAMPLING["top_p"],
-        "worker.reward": "workers.rewards:arithmetic_reward",
+        "worker.reward": "arithmetic",
         "worker.slots": 2,
         "transport.heartbeat_s": 0.5,
         "transport.peer_timeout_s": 60,

@@ -11,8 +11,9 @@ import importlib.util
 import pytest
 import torch
 
-from asyncrl.config import EngineConfig
-from asyncrl.data import DataConfig, load_prompts
+from asyncrl.config import HFEngineConfig, VllmEngineConfig
+from asyncrl.config import DataConfig
+from asyncrl.data import load_prompts
 from asyncrl.images import image_provenance, processor_inputs
 from asyncrl.logprobs import batch_logprobs, token_logprobs
 from asyncrl.rollout import Group, Rollout
@@ -32,7 +33,7 @@ bf16 bound, max |d| ~4e-3 on the tiny model, is in asyncrl.debug.align)."""
 def engine(tiny_vlm):
     from workers.engines.hf import HFEngine
 
-    return HFEngine(EngineConfig(type="hf", model=tiny_vlm, max_new_tokens=6, temperature=1.0, seed=0))
+    return HFEngine(HFEngineConfig(model=tiny_vlm, max_new_tokens=6, temperature=1.0, seed=0))
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +129,7 @@ def test_engines_never_sample_image_tokens(engine, prompts):
 def test_vllm_engine_logprobs_match_trainer_on_image_prompts(tiny_vlm, prompts, engine):
     from workers.engines.vllm_engine import VLLMEngine
 
-    vllm = VLLMEngine(EngineConfig(type="vllm", model=tiny_vlm, max_new_tokens=6, temperature=1.0, seed=0))
+    vllm = VLLMEngine(VllmEngineConfig(model=tiny_vlm, max_new_tokens=6, temperature=1.0, seed=0))
     try:
         items = list(prompts[:2])
         completions = vllm.generate([GenerationRequest(epoch=0, prompt_index=i, n=2, prompt=it)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl import EngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
+from asyncrl import FakeEngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
 from datapipes.filters import GroupFilter
 from tests.utils import run_test_save_load_state
 
@@ -27,7 +27,7 @@ def _deterministic_loader(**overrides) -> RolloutLoader:
         wait_timeout_s=60,
         poll_timeout_s=0.2,
         transport=TransportConfig(heartbeat_s=0.2, peer_timeout_s=5),
-        worker=WorkerConfig(slots=1, max_batch=1, engine=EngineConfig(max_new_tokens=12)),
+        worker=WorkerConfig(slots=1, max_batch=1, engine=FakeEngineConfig(max_new_tokens=12)),
     )
     prompts = [{"prompt_ids": [i + 1, i + 2]} for i in range(20)]
     return RolloutLoader(prompts, config, **overrides)

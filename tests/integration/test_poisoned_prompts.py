@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl import EngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
+from asyncrl import FakeEngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
 from asyncrl.poison import PoisonedPromptError
 from asyncrl.rollout import make_group_id
 
@@ -36,7 +36,7 @@ def _config(on_poisoned_prompt: str) -> LoaderConfig:
         prompt_failure_backoff_s=0.05,
         wait_timeout_s=30,  # before the fix the trainer waited here (forever without it)
         transport=TransportConfig(heartbeat_s=0.2, peer_timeout_s=5),
-        worker=WorkerConfig(slots=4, max_batch=4, engine=EngineConfig(max_new_tokens=4)),
+        worker=WorkerConfig(slots=4, max_batch=4, engine=FakeEngineConfig(max_new_tokens=4)),
     )
 
 

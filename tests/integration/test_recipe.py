@@ -103,7 +103,7 @@ def test_two_ranks_learn_on_disjoint_data(tmp_path):
 def test_sigkill_and_resume_trains_each_group_once_with_identical_losses(tmp_path):
     steps = ["train.steps=8", "checkpoint.every=4", *EXACT, *SMALL]  # 64 prompts / 2 ranks / 4 groups = 8 steps
     run = tmp_path / "run"
-    proc = _torchrun(run, *steps, "train.pause_after_step=7")
+    proc = _torchrun(run, *steps, "testing.pause_after_step=7")
     deadline = time.monotonic() + 600
     while len(_metrics(run)) < 7:  # past the step-4 checkpoint: steps 5-7 will be lost and redone
         assert proc.poll() is None and time.monotonic() < deadline, "run ended before it could be killed"
@@ -165,7 +165,7 @@ def test_a_kill_inside_the_final_save_resumes_from_a_complete_checkpoint(tmp_pat
     steps = ["train.steps=4", "checkpoint.every=1", "checkpoint.keep=2", "train.parallel=fsdp2", *SMALL]
     run = tmp_path / "run"
     ckpt = run / "checkpoints"
-    proc = _torchrun(run, *steps, "train.pause_in_save_at_step=4", "train.pause_in_save_point=renamed")
+    proc = _torchrun(run, *steps, "testing.pause_in_save_at_step=4", "testing.pause_in_save_point=renamed")
     deadline = time.monotonic() + 600
     while not (ckpt / "step-000004").exists():
         assert proc.poll() is None and time.monotonic() < deadline, "run ended before it could be killed in the save"
@@ -191,7 +191,7 @@ def test_guard_rejects_nan_batch_restores_exactly_and_dump_replays(tmp_path):
 
     from recipes.grpo import load_config, replay_rejection
 
-    overrides = ["train.steps=4", "guard.inject_nan_at_step=3", "checkpoint.every=1", "checkpoint.keep=10", *SMALL,
+    overrides = ["train.steps=4", "testing.inject_nan_at_step=3", "checkpoint.every=1", "checkpoint.keep=10", *SMALL,
                  "loss.fn=tests.integration.test_recipe_losses:nan_on_the_fourth_step"]
     run = tmp_path / "run"
     _finish(_torchrun(run, *overrides))

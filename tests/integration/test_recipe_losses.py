@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def test_beta_trains_against_a_reference_model_and_logs_kl_and_reward_components(tmp_path):
     run = tmp_path / "run"
     overrides = ["checkpoint.every=0", *SMALL, "loss.beta=0.05", "loss.loss_type=dapo",
-                 "reward.funcs=[arithmetic, format]", "reward.weights=[1.0, 0.5]",
+                 "rollout.worker.reward.funcs=[arithmetic, format]", "rollout.worker.reward.weights=[1.0, 0.5]",
                  "loss.multi_objective_aggregation=normalize_then_sum"]  # per-function advantages (TRL)
     _finish(_torchrun(run, "train.steps=4", *overrides))
     rows = _metrics(run)

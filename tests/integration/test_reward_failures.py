@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl import EngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
+from asyncrl import FakeEngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
 from asyncrl.config import RewardConfig
 from asyncrl.rollout import make_group_id
 
@@ -32,7 +32,7 @@ def test_a_raising_reward_fails_only_its_prompt_and_the_worker_keeps_serving():
         group_size=2, batch_size=2, capacity=8, max_staleness=None, num_workers=1,
         max_prompt_failures=MAX_FAILURES, on_poisoned_prompt="skip", prompt_failure_backoff_s=0.05,
         wait_timeout_s=60, transport=TransportConfig(heartbeat_s=0.2, peer_timeout_s=5),
-        worker=WorkerConfig(slots=4, max_batch=4, reward=reward, engine=EngineConfig(max_new_tokens=4)),
+        worker=WorkerConfig(slots=4, max_batch=4, reward=reward, engine=FakeEngineConfig(max_new_tokens=4)),
     )
     consumed: list[str] = []
     with RolloutLoader(prompts, config) as loader:

@@ -12,7 +12,7 @@ import pytest
 import torch
 import zmq
 
-from asyncrl import EngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
+from asyncrl import FakeEngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
 from asyncrl.codec import DecodeError, decode, encode
 from asyncrl.rollout import Group, Rollout
 from asyncrl.transport import protocol as P
@@ -83,7 +83,7 @@ def test_rogue_peer_is_counted_and_harmless():
         max_staleness=None,
         wait_timeout_s=60,
         transport=TransportConfig(heartbeat_s=0.2, peer_timeout_s=5, max_message_bytes=MAX_MESSAGE_BYTES),
-        worker=WorkerConfig(engine=EngineConfig(max_new_tokens=8, seconds_per_token=0.005)),
+        worker=WorkerConfig(engine=FakeEngineConfig(max_new_tokens=8, seconds_per_token=0.005)),
     )
     prompts = [{"prompt_ids": [i + 1]} for i in range(NUM_PROMPTS)]
     bad = _bad_messages(random.Random(0))

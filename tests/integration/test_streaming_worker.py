@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from asyncrl import EngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
+from asyncrl import FakeEngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
 from asyncrl.ledger import PromptLedger
 from asyncrl.pool import RolloutPool
 from asyncrl.transport import setup_rollout_sender
@@ -122,7 +122,7 @@ def _loader(n: int) -> RolloutLoader:
     config = LoaderConfig(group_size=2, batch_size=2, capacity=8, max_staleness=None, num_workers=0,
                           wait_timeout_s=60, poll_timeout_s=0.2, transport=TransportConfig(heartbeat_s=0.2,
                                                                                           peer_timeout_s=2.0),
-                          worker=WorkerConfig(engine=EngineConfig(max_new_tokens=8)))
+                          worker=WorkerConfig(engine=FakeEngineConfig(max_new_tokens=8)))
     return RolloutLoader([{"prompt_ids": [i + 1, 2]} for i in range(n)], config)
 
 

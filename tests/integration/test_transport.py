@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import EngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
+from asyncrl import FakeEngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
 from asyncrl.transport.zmq_transport import ZmqRolloutReceiver, generate_curve_keys, write_curve_key_file
 
 pytestmark = pytest.mark.integration
@@ -31,7 +31,7 @@ def _config(**transport) -> LoaderConfig:
         max_staleness=None,
         wait_timeout_s=60,
         transport=TransportConfig(**{**FAST, **transport}),
-        worker=WorkerConfig(engine=EngineConfig(max_new_tokens=8)),
+        worker=WorkerConfig(engine=FakeEngineConfig(max_new_tokens=8)),
     )
 
 

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from asyncrl import EngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
+from asyncrl import HFEngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
 from asyncrl.config import WeightSyncConfig
 from asyncrl.logprobs import token_logprobs
 from asyncrl.weights import setup_weight_broadcaster
@@ -71,7 +71,7 @@ def test_every_rollout_carries_the_version_that_produced_it(tmp_path, backend, s
             slots=2 if streaming else 1,
             max_batch=1,
             streaming=streaming,
-            engine=EngineConfig(type="hf", model=model_dir, max_new_tokens=12, **SAMPLING),
+            engine=HFEngineConfig(model=model_dir, max_new_tokens=12, **SAMPLING),
             weights=WeightSyncConfig(type=backend, address=broadcaster.address, shadow=shadow),
         ),
     )

@@ -26,7 +26,7 @@ import time
 import pytest
 import torch
 
-from asyncrl.config import EngineConfig
+from asyncrl.config import VllmEngineConfig
 from asyncrl.logprobs import token_logprobs
 from asyncrl.weights.base import WeightUpdate
 from tests.engine_utils import SAMPLING, TOL, load_model, lora_update, merged_with, perturbed
@@ -47,7 +47,7 @@ def model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def engine(model_dir):
     t0 = time.perf_counter()
-    eng = build_engine(EngineConfig(type="vllm", model=model_dir, seed=5, max_new_tokens=LONG, ignore_eos=True,
+    eng = build_engine(VllmEngineConfig(model=model_dir, seed=5, max_new_tokens=LONG, ignore_eos=True,
                                     max_model_len=512, lora_rank=4, **SAMPLING))
     print(f"vLLM engine start-up: {time.perf_counter() - t0:.1f} s")
     yield eng

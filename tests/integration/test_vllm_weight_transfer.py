@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.config import EngineConfig
+from asyncrl.config import VllmEngineConfig
 from asyncrl.weights.base import WeightUpdate
 from asyncrl.weights.shm_weights import ShmWeightBroadcaster, ShmWeightReceiver
 from tests.engine_utils import PROMPTS, SAMPLING, TOL, load_model, max_logprob_diff, perturbed
@@ -30,7 +30,7 @@ def model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    eng = build_engine(EngineConfig(type="vllm", model=model_dir, seed=3, max_new_tokens=12, **SAMPLING))
+    eng = build_engine(VllmEngineConfig(model=model_dir, seed=3, max_new_tokens=12, **SAMPLING))
     yield eng
     eng.close()
 

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from asyncrl.config import EngineConfig
+from asyncrl.config import VllmEngineConfig
 from asyncrl.weights.base import WeightUpdate
 from asyncrl.weights.shm_weights import ShmWeightBroadcaster, ShmWeightReceiver
 from tests.engine_utils import PROMPTS, SAMPLING, TOL, load_model, max_logprob_diff, perturbed
@@ -31,7 +31,7 @@ def engine(model_dir):
     before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     try:
-        eng = build_engine(EngineConfig(type="vllm", model=model_dir, seed=3, max_new_tokens=12, **SAMPLING))
+        eng = build_engine(VllmEngineConfig(model=model_dir, seed=3, max_new_tokens=12, **SAMPLING))
     finally:  # later modules' engines run in process again
         if before is None:
             os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")

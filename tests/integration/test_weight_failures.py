@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from asyncrl import EngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
+from asyncrl import FakeEngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
 from asyncrl.config import WeightSyncConfig
 from asyncrl.weights import ZmqWeightBroadcaster
 from tests.weights_utils import corrupt_next
@@ -38,7 +38,7 @@ def test_corrupted_broadcast_is_not_committed_and_is_reported():
         num_workers=1,
         wait_timeout_s=60,
         transport=TransportConfig(heartbeat_s=0.2, peer_timeout_s=10),
-        worker=WorkerConfig(engine=EngineConfig(max_new_tokens=8, seconds_per_token=0.002),
+        worker=WorkerConfig(engine=FakeEngineConfig(max_new_tokens=8, seconds_per_token=0.002),
                             weights=WeightSyncConfig(type="zmq", address=broadcaster.address)),
     )
     try:

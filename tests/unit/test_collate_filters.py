@@ -8,7 +8,7 @@ import pytest
 import torch
 from torchdata.nodes import BaseNode, Loader
 
-from asyncrl.config import EngineConfig, LoaderConfig, TransportConfig, WorkerConfig, from_dict, to_dict
+from asyncrl.config import EngineConfig, FakeEngineConfig, LoaderConfig, TransportConfig, WorkerConfig, from_dict, to_dict
 from asyncrl.rollout import Group, Rollout
 from datapipes.collate import collate_groups
 from datapipes.filters import GroupFilter, has_reward_variance
@@ -310,7 +310,7 @@ def test_other_config_validation():
     with pytest.raises(ValueError):
         WorkerConfig(slots=0)
     with pytest.raises(ValueError):
-        EngineConfig(min_new_tokens=5, max_new_tokens=4)
+        FakeEngineConfig(min_new_tokens=5, max_new_tokens=4)
 
 
 def test_from_dict_builds_nested_dataclasses():
@@ -331,7 +331,7 @@ def test_from_dict_builds_nested_dataclasses():
     assert isinstance(cfg.worker, WorkerConfig) and cfg.worker.slots == 2
     assert isinstance(cfg.worker.engine, EngineConfig)
     assert cfg.worker.engine.max_new_tokens == 64 and cfg.worker.engine.seed == 7
-    assert cfg.worker.engine.min_new_tokens == EngineConfig().min_new_tokens
+    assert cfg.worker.engine.min_new_tokens == FakeEngineConfig().min_new_tokens
     # to_dict/from_dict round trip
     assert from_dict(LoaderConfig, to_dict(cfg)) == cfg
 
@@ -363,4 +363,4 @@ def test_from_dict_types_scalars_by_field():
     with pytest.raises(ValueError, match=r"transport\.heartbeat_s must be float, got 'fast'"):
         from_dict(LoaderConfig, {"transport": {"heartbeat_s": "fast"}})
     with pytest.raises(ValueError, match=r"worker\.engine\.ignore_eos must be bool"):
-        from_dict(LoaderConfig, {"worker": {"engine": {"ignore_eos": "yes please"}}})
+        from_dict(LoaderConfig, {"worker": {"engine": {"type": "hf", "ignore_eos": "yes please"}}})

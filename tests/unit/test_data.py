@@ -10,7 +10,8 @@ import logging
 import msgpack
 import pytest
 
-from asyncrl.data import DataConfig, load_prompts, render_prompt, sft_batch
+from asyncrl.config import DataConfig
+from asyncrl.data import load_prompts, render_prompt, sft_batch
 from workers.engines.base import prompt_token_ids
 
 MESSAGES = [

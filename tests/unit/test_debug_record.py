@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from asyncrl.config import FaultConfig
-from asyncrl.debug.detectors import AnomalyDetectors, DebugConfig, Debugger
+from asyncrl.config import DebugConfig
+from asyncrl.debug.detectors import AnomalyDetectors, Debugger
 from asyncrl.debug.record import FIXED_EDGES, read_records, step_record, summarize
 from asyncrl.dump import read_dump
 from asyncrl.rollout import Group, Rollout

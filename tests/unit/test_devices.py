@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.config import EngineConfig, TransportConfig, WorkerConfig
+from asyncrl.config import HFEngineConfig, TransportConfig, VllmEngineConfig, WorkerConfig
 from workers.launcher import LocalWorkerLauncher, pin_device
 
 
@@ -55,12 +55,12 @@ def test_device_and_engine_settings_are_checked():
     with pytest.raises(ValueError, match="worker.devices entry 'gpu1'"):
         WorkerConfig(devices=["gpu1"])
     with pytest.raises(ValueError, match="names 2 GPUs but engine.tensor_parallel_size=1"):
-        WorkerConfig(devices=["cuda:0,1"], engine=EngineConfig(type="vllm"))
-    WorkerConfig(devices=["cuda:0,1"], engine=EngineConfig(type="vllm", tensor_parallel_size=2))
+        WorkerConfig(devices=["cuda:0,1"], engine=VllmEngineConfig())
+    WorkerConfig(devices=["cuda:0,1"], engine=VllmEngineConfig(tensor_parallel_size=2))
     with pytest.raises(ValueError, match="engine.dtype='fp8'"):
-        EngineConfig(dtype="fp8")
+        HFEngineConfig(dtype="fp8")
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
-        EngineConfig(gpu_memory_utilization=0)
+        VllmEngineConfig(gpu_memory_utilization=0)
 
 
 def test_vllm_settings_reach_the_engine(monkeypatch):
@@ -78,7 +78,7 @@ def test_vllm_settings_reach_the_engine(monkeypatch):
             raise RuntimeError("recorded")
 
     monkeypatch.setattr(vllm, "LLM", Recorder)
-    gpu = EngineConfig(type="vllm", model="m", dtype="bfloat16", kv_cache_bytes=None, gpu_memory_utilization=0.4,
+    gpu = VllmEngineConfig(model="m", dtype="bfloat16", kv_cache_bytes=None, gpu_memory_utilization=0.4,
                        tensor_parallel_size=2, enforce_eager=False, max_model_len=2048)
     with pytest.raises(RuntimeError, match="recorded"):
         VLLMEngine(gpu)
@@ -89,6 +89,6 @@ def test_vllm_settings_reach_the_engine(monkeypatch):
     assert "kv_cache_memory_bytes" not in got
     got.clear()
     with pytest.raises(RuntimeError, match="recorded"):
-        VLLMEngine(EngineConfig(type="vllm", model="m"))
+        VLLMEngine(VllmEngineConfig(model="m"))
     assert got["kv_cache_memory_bytes"] == 64 * 1024 * 1024 and got["enforce_eager"] is True
     assert "gpu_memory_utilization" not in got

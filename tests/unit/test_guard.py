@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from asyncrl.guard import GuardConfig, UpdateGuard
+from asyncrl.config import GuardConfig
+from asyncrl.guard import UpdateGuard
 
 
 def _model(seed: int = 0) -> torch.nn.Module:

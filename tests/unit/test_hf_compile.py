@@ -15,7 +15,7 @@ import logging
 import pytest
 import torch
 
-from asyncrl.config import EngineConfig
+from asyncrl.config import HFEngineConfig
 from tests.engine_utils import SAMPLING, TOL, max_logprob_diff
 from workers.engines import _hf_decode
 from workers.engines._hf_decode import LENGTH_QUANTUM, MAX_SHAPES, CompiledStep
@@ -31,7 +31,7 @@ def model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def compiled(model_dir):
     """An engine compiled at start for 8 rows (``max_num_seqs``)."""
-    return build_engine(EngineConfig(type="hf", model=model_dir, seed=5, max_new_tokens=12, compile=True,
+    return build_engine(HFEngineConfig(model=model_dir, seed=5, max_new_tokens=12, compile=True,
                                      max_num_seqs=8, **SAMPLING))
 
 
@@ -98,8 +98,8 @@ def test_a_failing_compile_falls_back_to_the_eager_loop_once(model_dir, monkeypa
         return fn
 
     monkeypatch.setattr(torch, "compile", broken)
-    kw = dict(type="hf", model=model_dir, seed=9, max_new_tokens=8, **SAMPLING)
-    engine, plain = build_engine(EngineConfig(compile=True, **kw)), build_engine(EngineConfig(**kw))
+    kw = dict(model=model_dir, seed=9, max_new_tokens=8, **SAMPLING)
+    engine, plain = build_engine(HFEngineConfig(compile=True, **kw)), build_engine(HFEngineConfig(**kw))
     requests = _requests(["1+2=", "hello there"], n=3)
     with caplog.at_level(logging.WARNING, logger=_hf_decode.__name__):
         for _ in range(2):

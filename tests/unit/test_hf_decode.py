@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from asyncrl.config import EngineConfig
+from asyncrl.config import HFEngineConfig
 from asyncrl.logprobs import token_logprobs
 from tests.engine_utils import SAMPLING, TOL, lora_update, max_logprob_diff
 from workers.engines._hf_decode import decode, supports_decode, warpers
@@ -31,7 +31,7 @@ PLAIN = dict(temperature=1.0, top_k=0, top_p=1.0)
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     path = build_tiny_model(tmp_path_factory.mktemp("hf_decode") / "tiny")
-    return build_engine(EngineConfig(type="hf", model=str(path), seed=3, max_new_tokens=12, lora_rank=4, **PLAIN))
+    return build_engine(HFEngineConfig(model=str(path), seed=3, max_new_tokens=12, lora_rank=4, **PLAIN))
 
 
 def _batch(engine, texts: list[str], n: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,6 +192,6 @@ def test_decode_refuses_bad_arguments_and_other_models(engine):
 @pytest.mark.gpu
 def test_decode_logprobs_are_the_trainers_on_cuda(engine):
     """On CUDA the generator (Philox, seeded) draws the uniforms on the device; the logprobs are the trainer's."""
-    cuda = build_engine(EngineConfig(type="hf", model=engine.config.model, seed=3, max_new_tokens=12, device="cuda",
+    cuda = build_engine(HFEngineConfig(model=engine.config.model, seed=3, max_new_tokens=12, device="cuda",
                                      **SAMPLING))
     _aligned(cuda, PADDED, SAMPLING)

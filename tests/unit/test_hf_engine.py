@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from asyncrl.config import EngineConfig
+from asyncrl.config import HFEngineConfig
 from asyncrl.logprobs import sampling_logprobs, token_logprobs
 from asyncrl.weights.base import WeightUpdate
 from workers.engines.base import Completion, GenerationRequest, build_engine
@@ -29,8 +29,8 @@ def model_dir(tmp_path_factory) -> str:
 
 
 def make_engine(model_dir: str, **overrides: Any) -> HFEngine:
-    kw = dict(type="hf", model=model_dir, seed=7, max_new_tokens=16, **SAMPLING)
-    return build_engine(EngineConfig(**{**kw, **overrides}))
+    kw = dict(model=model_dir, seed=7, max_new_tokens=16, **SAMPLING)
+    return build_engine(HFEngineConfig(**{**kw, **overrides}))
 
 
 def generate(engine: HFEngine, n: int = 4) -> list[list[Completion]]:
@@ -208,7 +208,7 @@ LONG_TAIL = dict(ignore_eos=True, length_tail=1.0, length_median=6, min_new_toke
 
 
 def test_length_targets_are_lognormal_clipped_and_seeded():
-    config = EngineConfig(type="hf", model="unused", seed=3, **LONG_TAIL)
+    config = HFEngineConfig(model="unused", seed=3, **LONG_TAIL)
     requests = [GenerationRequest(epoch=0, prompt_index=i, prompt="x", n=4) for i in range(500)]
     lengths = [t for r in requests for t in length_targets(config, r, 24)]
     assert min(lengths) == 2 and max(lengths) == 24  # both clips are hit with sigma 1
@@ -217,7 +217,7 @@ def test_length_targets_are_lognormal_clipped_and_seeded():
     assert length_targets(config, requests[7], 10) == [min(t, 10) for t in length_targets(config, requests[7], 24)]
     chunk = GenerationRequest(epoch=0, prompt_index=0, prompt="x", n=2, max_new_tokens=5)
     assert length_targets(config, chunk, 5) == [5, 5]  # a chunk of an interruptible generation runs to its limit
-    flat = EngineConfig(type="hf", model="unused", ignore_eos=True, max_new_tokens=24)
+    flat = HFEngineConfig(model="unused", ignore_eos=True, max_new_tokens=24)
     assert length_targets(flat, requests[0], 24) == [24] * 4
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from asyncrl.config import EngineConfig
+from asyncrl.config import HFEngineConfig
 from asyncrl.logprobs import token_logprobs
 from asyncrl.weights.base import WeightUpdate
 from tests.engine_utils import PROMPTS, SAMPLING, collate, load_model, max_logprob_diff, perturbed
@@ -30,8 +30,8 @@ def model_dir(tmp_path_factory) -> str:
 
 
 def make_engine(model_dir: str, **overrides: Any) -> HFEngine:
-    kw = dict(type="hf", model=model_dir, seed=7, max_new_tokens=16, max_num_seqs=4, **SAMPLING)
-    return build_engine(EngineConfig(**{**kw, **overrides}))
+    kw = dict(model=model_dir, seed=7, max_new_tokens=16, max_num_seqs=4, **SAMPLING)
+    return build_engine(HFEngineConfig(**{**kw, **overrides}))
 
 
 def request(i: int, n: int = 2, prompt: Any = None, **kw: Any) -> GenerationRequest:

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from asyncrl.losses import (LossConfig, compute_advantages, compute_loss, normalize_then_sum_advantages,
-                            policy_loss)
+from asyncrl.config import LossConfig, load_config
+from asyncrl.losses import compute_advantages, compute_loss, normalize_then_sum_advantages, policy_loss
 
 # ---------------------------------------------------------------------------------------------------------------------
 # the fixed batch: 2 groups of 2 rows, 3 positions, response lengths 3, 1, 2, 1
@@ -338,14 +338,15 @@ def test_a_user_loss_gets_the_batch_logprobs_and_advantages():
         LossConfig(fn="reinforce")
 
 
-def test_old_names_still_work():
-    config = LossConfig(clip_low=0.1, clip_high=0.28, kl_coef=0.02, aggregation="sequence")
-    assert (config.epsilon, config.epsilon_high, config.beta, config.loss_type) == (0.1, 0.28, 0.02, "grpo")
-    assert config.clip_low is None and config.kl_coef is None and config.aggregation is None  # saved once, new names
-    assert LossConfig(aggregation="token").loss_type == "bnpo"
+@pytest.mark.parametrize("old, new", [("clip_low", "loss.epsilon"), ("clip_high", "loss.epsilon_high"),
+                                      ("kl_coef", "loss.beta"), ("aggregation", "loss.loss_type")])
+def test_old_names_fail_with_the_new_name(old, new):
+    """The names before TRL's are refused, the message naming the key to use (asyncrl.config.renames)."""
+    with pytest.raises(ValueError, match=rf"loss\.{old} was renamed .*: use {new}"):
+        load_config(None, [f"loss.{old}=0.1"])
     assert LossConfig(epsilon=0.3).epsilon_high == 0.3 and LossConfig(scale_rewards=False).scale_rewards == "none"
     with pytest.raises(ValueError, match="loss.loss_type"):
-        LossConfig(aggregation="batch")
+        LossConfig(loss_type="batch")
 
 
 def test_a_nan_reward_is_not_hidden_from_the_guard():

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from asyncrl.losses import LossConfig, group_advantages, mismatch_metrics, policy_loss
+from asyncrl.config import LossConfig
+from asyncrl.losses import group_advantages, mismatch_metrics, policy_loss
 
 LOG = math.log
 ALL = torch.ones(2, 4, dtype=torch.bool)
@@ -78,10 +79,10 @@ def test_group_advantages_errors():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"clip_low": 1.0}, "clip_low"),
-        ({"clip_high": -0.1}, "clip_high"),
-        ({"kl_coef": -1.0}, "kl_coef"),
-        ({"aggregation": "batch"}, "aggregation"),
+        ({"epsilon": 1.0}, "epsilon"),
+        ({"epsilon_high": -0.1}, "epsilon_high"),
+        ({"beta": -1.0}, "beta"),
+        ({"loss_type": "batch"}, "loss_type"),
         ({"correction": "is"}, "correction"),
         ({"is_cap": 0.0}, "is_cap"),
         ({"mis_low": 1.5}, "mis_low"),
@@ -121,7 +122,7 @@ def test_ppo_clip_by_hand():
 
 
 def test_ppo_asymmetric_clip():
-    loss, m, _ = run(LP, OLD, OLD, ADV, cfg={"correction": "none", "clip_low": 0.1, "clip_high": 0.28})
+    loss, m, _ = run(LP, OLD, OLD, ADV, cfg={"correction": "none", "epsilon": 0.1, "epsilon_high": 0.28})
     row0 = [-1.28, -0.9, -1.0, -0.5]  # 1.5 -> 1.28
     row1 = [1.5, 0.9, 0.9, 1.1]  # 0.5 -> 0.9
     close(loss, (sum(row0) + sum(row1)) / 8)
@@ -206,7 +207,7 @@ def test_version_gap_masks_stale_tokens():
 def test_k3_kl_term():
     delta = t([[0.0, LOG(2), -LOG(2), 1.0], [0.0, 0.0, 0.0, 0.0]])  # ref - lp
     k3 = [0.0, 2 - LOG(2) - 1, 0.5 + LOG(2) - 1, math.e - 2]
-    cfg = {"correction": "none", "kl_coef": 0.1}
+    cfg = {"correction": "none", "beta": 0.1}
     loss, m, grad = run(ZERO, ZERO, ZERO, torch.zeros(2), ref_logprobs=delta, cfg=cfg)  # A = 0: only KL
     close(m["kl"], sum(k3) / 8)
     close(loss, 0.1 * sum(k3) / 8)
@@ -220,13 +221,13 @@ def test_k3_kl_term():
 def test_token_vs_sequence_aggregation():
     mask = torch.tensor([[True] * 4, [True, True, False, False]])
     adv = torch.tensor([1.0, 4.0])
-    token, _, _ = run(ZERO, ZERO, ZERO, adv, mask, cfg={"correction": "none", "aggregation": "token"})
-    seq, _, _ = run(ZERO, ZERO, ZERO, adv, mask, cfg={"correction": "none", "aggregation": "sequence"})
+    token, _, _ = run(ZERO, ZERO, ZERO, adv, mask, cfg={"correction": "none", "loss_type": "bnpo"})
+    seq, _, _ = run(ZERO, ZERO, ZERO, adv, mask, cfg={"correction": "none", "loss_type": "grpo"})
     close(token, -(4 * 1 + 2 * 4) / 6)  # -2
     close(seq, -(1 + 4) / 2)  # -2.5
     # a row with no valid token counts as 0 in the sequence mean (TRL's grpo: mean over all rows)
     empty_row = torch.tensor([[True] * 4, [False] * 4])
-    seq, _, _ = run(ZERO, ZERO, ZERO, adv, empty_row, cfg={"correction": "none", "aggregation": "sequence"})
+    seq, _, _ = run(ZERO, ZERO, ZERO, adv, empty_row, cfg={"correction": "none", "loss_type": "grpo"})
     close(seq, -1.0 / 2)
 
 
@@ -234,10 +235,10 @@ def test_token_vs_sequence_aggregation():
 # masking, gradients, non-finite values
 
 
-@pytest.mark.parametrize("aggregation", ["token", "sequence"])
-def test_empty_mask_is_zero_loss_with_gradient(aggregation):
+@pytest.mark.parametrize("loss_type", ["bnpo", "grpo"])  # token-level and sequence-level aggregation
+def test_empty_mask_is_zero_loss_with_gradient(loss_type):
     lp = t([[-math.inf, -1.0, -2.0, -3.0], [-math.inf, -1.0, -2.0, -3.0]])  # -inf at prompt positions
-    loss, m, grad = run(lp, lp, lp, ADV, torch.zeros(2, 4, dtype=torch.bool), cfg={"aggregation": aggregation})
+    loss, m, grad = run(lp, lp, lp, ADV, torch.zeros(2, 4, dtype=torch.bool), cfg={"loss_type": loss_type})
     assert loss.item() == 0.0 and loss.grad_fn is not None
     assert torch.equal(grad, torch.zeros(2, 4))
     assert all(math.isfinite(v) for v in m.values()) and m["valid_tokens"] == 0
@@ -248,7 +249,7 @@ def test_gradients_flow_only_into_logprobs():
     old, rollout, ref = (x.clone().requires_grad_(True) for x in (OLD, OLD - 0.1, OLD + 0.2))
     lp_inf = torch.where(torch.tensor([[True, False, False, False]] * 2), -math.inf, lp)  # -inf at a prompt token
     mask = torch.tensor([[False, True, True, True]] * 2)
-    loss, _ = policy_loss(lp_inf, old, rollout, ADV, mask, config=LossConfig(kl_coef=0.5), ref_logprobs=ref)
+    loss, _ = policy_loss(lp_inf, old, rollout, ADV, mask, config=LossConfig(beta=0.5), ref_logprobs=ref)
     loss.backward()
     assert old.grad is None and rollout.grad is None and ref.grad is None
     assert lp.grad is not None and lp.grad.isfinite().all() and lp.grad[:, 0].eq(0).all()

@@ -7,7 +7,8 @@ import copy
 
 import torch
 
-from asyncrl.guard import GuardConfig, UpdateGuard
+from asyncrl.config import GuardConfig
+from asyncrl.guard import UpdateGuard
 from asyncrl.optim import adamw
 
 

@@ -119,10 +119,10 @@ def test_the_launcher_takes_the_prestarted_process_first_and_restarts_cold():
 
 
 def test_the_loader_prestarts_its_local_workers_only():
-    from asyncrl.config import EngineConfig, LoaderConfig
+    from asyncrl.config import FakeEngineConfig, LoaderConfig
     from datapipes.loader import RolloutLoader
 
     assert RolloutLoader.prestart_workers(LoaderConfig(num_workers=0)) == []  # remote workers: nothing to start
-    config = LoaderConfig(num_workers=2, worker=WorkerConfig(engine=EngineConfig(type="fake")))
+    config = LoaderConfig(num_workers=2, worker=WorkerConfig(engine=FakeEngineConfig()))
     pids = RolloutLoader.prestart_workers(config)
     assert len(pids) == 2 and [p.pid for p, _ in prestart._prestarted] == pids

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from asyncrl.checkpoint import BASE, MODEL, OPTIM, BaseMismatch, Checkpointer
-from asyncrl.config import EngineConfig
-from asyncrl.guard import GuardConfig, UpdateGuard
+from asyncrl.config import EngineConfig, HFEngineConfig, from_dict
+from asyncrl.config import GuardConfig
+from asyncrl.guard import UpdateGuard
 from asyncrl.qlora import (
     FSDP2_REFUSAL,
     VLLM_REFUSAL,
@@ -99,7 +100,7 @@ def test_base_is_4bit_frozen_and_identical_on_every_load(model_dir):
 
 def test_engine_holds_the_trainers_4bit_base_and_logprobs_agree(model_dir):
     trainer = adapter_model(model_dir)
-    engine = build_engine(EngineConfig(type="hf", model=model_dir, seed=3, max_new_tokens=12, lora_rank=8,
+    engine = build_engine(HFEngineConfig(model=model_dir, seed=3, max_new_tokens=12, lora_rank=8,
                                        quantization="nf4", **SAMPLING))
     try:
         assert base_reference(engine.model, model_dir) == base_reference(load_quantized_base(model_dir), model_dir)
@@ -121,7 +122,7 @@ def test_engine_holds_the_trainers_4bit_base_and_logprobs_agree(model_dir):
 
 
 def test_a_4bit_engine_refuses_full_updates(model_dir):
-    engine = build_engine(EngineConfig(type="hf", model=model_dir, lora_rank=8, quantization="nf4"))
+    engine = build_engine(HFEngineConfig(model=model_dir, lora_rank=8, quantization="nf4"))
     try:
         state = load_model(model_dir).state_dict()
         with pytest.raises(ValueError, match="takes lora updates only"):
@@ -250,7 +251,7 @@ def test_checkpoint_of_a_changed_model_directory_is_refused(model_dir, tmp_path)
 
 
 def test_refusals_say_why():
-    from asyncrl.recipe_config import load_config
+    from asyncrl.config import load_config
 
     with pytest.raises(ValueError, match="lora.qlora=true needs lora.rank > 0"):
         load_config(None, ["lora.qlora=true"])
@@ -259,9 +260,9 @@ def test_refusals_say_why():
     with pytest.raises(ValueError, match="no bitsandbytes quantization method"):
         load_config(None, ["lora.qlora=true", "lora.rank=8", "rollout.worker.engine.type=vllm"])
     with pytest.raises(ValueError, match="engine.type=vllm: vLLM cannot hold the QLoRA base"):
-        EngineConfig(type="vllm", model="m", quantization="nf4")
+        from_dict(EngineConfig, {"type": "vllm", "model": "m", "quantization": "nf4"})
     assert "bitsandbytes" in VLLM_REFUSAL and "Params4bit" in FSDP2_REFUSAL
-    cfg = load_config(None, ["lora.qlora=true", "lora.rank=8"])
+    cfg = load_config(None, ["lora.qlora=true", "lora.rank=8", "rollout.worker.engine.type=hf"])
     assert cfg.lora.qlora and cfg.train.parallel == "ddp"
     assert dataclasses.replace(cfg.rollout.worker.engine, quantization="nf4").quantization == "nf4"
 

@@ -1,4 +1,4 @@
-"""asyncrl.recipe_config: every shipped run file loads; typos and bad values fail with the key and the choices."""
+"""asyncrl.config.RecipeConfig: every shipped run file loads; typos and bad values fail with the key and the choices."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.recipe_config import RecipeConfig, load_config
+from asyncrl.config import RecipeConfig, load_config
 
 CONFIGS = sorted((Path(__file__).parents[2] / "recipes" / "configs").glob("*.yaml"))
 
@@ -26,4 +26,4 @@ def test_an_unknown_key_and_a_bad_save_point_are_refused():
     with pytest.raises((KeyError, ValueError, TypeError), match="stpes"):
         load_config(None, ["train.stpes=7"])
     with pytest.raises(ValueError, match="pause_in_save_point='halfway' must be one of"):
-        load_config(None, ["train.pause_in_save_point=halfway"])
+        load_config(None, ["testing.pause_in_save_point=halfway"])

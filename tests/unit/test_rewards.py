@@ -10,7 +10,7 @@ import msgpack
 import pytest
 import torch
 
-from asyncrl.config import EngineConfig, RewardConfig, WorkerConfig, from_dict, to_dict
+from asyncrl.config import FakeEngineConfig, RewardConfig, WorkerConfig, from_dict, to_dict
 from asyncrl.rewards import UNSCORED, RewardError, RewardSet, format_reward, math_reward, reasoning_gym_reward
 from asyncrl.transport import ReceivedLease
 from workers.engines.base import Completion, build_engine
@@ -96,7 +96,7 @@ def test_a_completion_no_function_scores_is_marked_unscored():
 def test_reward_config_checks_and_the_old_string_form():
     with pytest.raises(ValueError, match="reward.weights has 1 values for 2 reward.funcs"):
         RewardConfig(funcs=["math", "format"], weights=[1.0])
-    assert WorkerConfig(reward="workers.rewards:arithmetic_reward").reward.funcs == ["workers.rewards:arithmetic_reward"]
+    assert WorkerConfig(reward="asyncrl.reward_funcs:arithmetic_reward").reward.funcs == ["asyncrl.reward_funcs:arithmetic_reward"]
     cfg = WorkerConfig(reward=RewardConfig(funcs=["math"], weights=[0.5]))
     assert from_dict(WorkerConfig, to_dict(cfg)).reward == cfg.reward  # travels to workers as JSON
     with pytest.raises(ValueError, match="must be one of"):
@@ -170,7 +170,7 @@ def _lease(i: int, bad: bool = False) -> ReceivedLease:
 @pytest.mark.parametrize("fn", [picky, picky_async])
 def test_a_raising_reward_fails_its_lease_only_and_the_worker_keeps_serving(fn):
     sender = FakeSender()
-    worker = RolloutWorker("w0", build_engine(EngineConfig()), RewardSet([fn]), sender, max_batch=4)
+    worker = RolloutWorker("w0", build_engine(FakeEngineConfig()), RewardSet([fn]), sender, max_batch=4)
     generated = []
     original = worker.engine.generate
     worker.engine.generate = lambda requests: generated.append(len(requests)) or original(requests)
@@ -219,4 +219,4 @@ def test_reward_weights_by_logged_name():
     from asyncrl.rewards import reward_weights
 
     assert reward_weights(RewardConfig(funcs=["math", "format"], weights=[1.0, 0.25])) == {"math": 1.0, "format": 0.25}
-    assert reward_weights(RewardConfig(funcs=["workers.rewards:fake_reward"])) == {"fake_reward": 1.0}
+    assert reward_weights(RewardConfig(funcs=["asyncrl.reward_funcs:fake_reward"])) == {"fake_reward": 1.0}

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from asyncrl.config import EngineConfig, WorkerConfig
+from asyncrl.config import FakeEngineConfig, HFEngineConfig, VllmEngineConfig, WorkerConfig
 from asyncrl.rewards import RewardSet
 from asyncrl.transport import ReceivedLease
 from workers.engines.base import GenerationRequest
@@ -79,7 +79,7 @@ def _lease(i: int, *, n: int = 2, version: int = 0, prompt=None, incarnation: st
 def _engine(**kw) -> FakeEngine:
     base = {"seconds_per_token": SPT, "min_new_tokens": 2, "max_new_tokens": 120, "length_tail": 1.0,
             "length_median": 10}
-    return FakeEngine(EngineConfig(**{**base, **kw}))
+    return FakeEngine(FakeEngineConfig(**{**base, **kw}))
 
 
 def _worker(engine, sender, *, slots=4, weights=None, mode="keep", reward=fake_reward, catch_up_s=10.0):
@@ -101,13 +101,13 @@ def test_config_streaming_fields_are_checked():
     assert WorkerConfig().streaming is False and WorkerConfig().weights_in_flight == "keep"
     with pytest.raises(ValueError, match="weights_in_flight"):
         WorkerConfig(streaming=True, weights_in_flight="drop")  # type: ignore[arg-type]
-    assert WorkerConfig(streaming=True, weights_in_flight="keep_cache", engine=EngineConfig(type="hf"))
+    assert WorkerConfig(streaming=True, weights_in_flight="keep_cache", engine=HFEngineConfig())
     with pytest.raises(ValueError, match="keep_cache.*vLLM's keep recomputes"):  # vLLM recomputes: no such mode
-        WorkerConfig(streaming=True, weights_in_flight="keep_cache", engine=EngineConfig(type="vllm"))
+        WorkerConfig(streaming=True, weights_in_flight="keep_cache", engine=VllmEngineConfig())
     with pytest.raises(ValueError, match="replaces worker.interrupt_every_tokens"):
         WorkerConfig(streaming=True, interrupt_every_tokens=8)
     with pytest.raises(ValueError, match="max_num_seqs"):
-        EngineConfig(max_num_seqs=0)
+        FakeEngineConfig(max_num_seqs=0)
 
 
 def test_a_streaming_worker_refuses_an_engine_that_does_not_stream():
@@ -273,7 +273,7 @@ def test_a_request_the_engine_loses_is_submitted_again_not_waited_for():
                 return
             super().submit(key, request)
 
-    engine = Losing(EngineConfig(seconds_per_token=SPT, min_new_tokens=2, max_new_tokens=20))
+    engine = Losing(FakeEngineConfig(seconds_per_token=SPT, min_new_tokens=2, max_new_tokens=20))
     sender = StreamSender([_lease(0), _lease(1)])
     w = _worker(engine, sender, slots=2)
     w.run()

@@ -44,7 +44,8 @@ def test_loads_with_processor_and_template(tiny_vlm):
 
 
 def test_update_guard_sees_the_vision_tower(tiny_vlm):
-    from asyncrl.guard import GuardConfig, UpdateGuard
+    from asyncrl.config import GuardConfig
+    from asyncrl.guard import UpdateGuard
     from workers.engines._multimodal import load_causal_lm
 
     model = load_causal_lm(tiny_vlm, torch.float32)
@@ -63,7 +64,8 @@ def test_update_guard_sees_the_vision_tower(tiny_vlm):
 
 
 def test_update_guard_rejects_and_undoes_an_oversized_vision_update(tiny_vlm):
-    from asyncrl.guard import GuardConfig, UpdateGuard
+    from asyncrl.config import GuardConfig
+    from asyncrl.guard import UpdateGuard
     from workers.engines._multimodal import load_causal_lm
 
     model = load_causal_lm(tiny_vlm, torch.float32)

@@ -34,7 +34,8 @@ def test_draw_square_refuses_an_unknown_colour():
 
 
 def test_visual_colour_source_loads_with_image_placeholders(tiny_vlm):
-    from asyncrl.data import DataConfig, load_prompts
+    from asyncrl.config import DataConfig
+    from asyncrl.data import load_prompts
     from workers.engines._multimodal import load_processor
     from workers.tiny_vlm import IMAGE_SIZE, IMAGE_TOKEN, PATCH_SIZE
 
@@ -65,7 +66,8 @@ def test_tiny_vlm_learns_the_colour_task_with_supervision(tiny_vlm):
 def _learns(tiny_vlm: str) -> None:
     import torch
 
-    from asyncrl.data import DataConfig, load_prompts, sft_batch
+    from asyncrl.config import DataConfig
+    from asyncrl.data import load_prompts, sft_batch
     from asyncrl.images import processor_inputs
     from workers.engines._multimodal import load_causal_lm, load_processor
 

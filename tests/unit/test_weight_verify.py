@@ -10,8 +10,9 @@ import pytest
 import torch
 import xxhash
 
-from asyncrl.config import EngineConfig, FaultConfig
-from asyncrl.debug.detectors import AnomalyDetectors, DebugConfig
+from asyncrl.config import FaultConfig, HFEngineConfig
+from asyncrl.config import DebugConfig
+from asyncrl.debug.detectors import AnomalyDetectors
 from asyncrl.weights.base import WeightUpdate
 from asyncrl.weights.verify import WeightVerifier, names_to_check, tensor_checksum, weight_mismatches
 from tests.engine_utils import lora_update, perturbed
@@ -26,7 +27,7 @@ def model_dir(tmp_path_factory) -> str:
 
 
 def _engine(model_dir: str, **kw):
-    return build_engine(EngineConfig(type="hf", model=model_dir, max_new_tokens=4, **kw))
+    return build_engine(HFEngineConfig(model=model_dir, max_new_tokens=4, **kw))
 
 
 class _Receiver:

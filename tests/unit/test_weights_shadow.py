@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from asyncrl.config import EngineConfig, WeightSyncConfig
+from asyncrl.config import FakeEngineConfig, HFEngineConfig, WeightSyncConfig
 from asyncrl.weights import setup_weight_broadcaster, setup_weight_receiver
 from asyncrl.weights._checksum import fill_bucket
 from asyncrl.weights.base import WeightSyncError
@@ -307,7 +307,7 @@ def test_hf_engine_swaps_the_shadow_in_at_the_workers_safe_point(tied_model_dir)
     from workers.engines.hf import HFEngine
     from workers.worker import RolloutWorker
 
-    engine = HFEngine(EngineConfig(type="hf", model=tied_model_dir, max_new_tokens=4))
+    engine = HFEngine(HFEngineConfig(model=tied_model_dir, max_new_tokens=4))
     model = engine.model
     assert model.lm_head.weight is model.model.embed_tokens.weight
     up = model.model.layers[0].mlp.up_proj.weight
@@ -353,7 +353,7 @@ def test_hf_streaming_engine_swaps_in_flight_and_each_span_matches_its_weights(t
     from tests.unit.test_hf_stream import TOL, drain, request, span_diffs
     from workers.engines.hf import HFEngine
 
-    engine = HFEngine(EngineConfig(type="hf", model=tied_model_dir, seed=7, max_new_tokens=20, max_num_seqs=4,
+    engine = HFEngine(HFEngineConfig(model=tied_model_dir, seed=7, max_new_tokens=20, max_num_seqs=4,
                                    ignore_eos=True, **SAMPLING))
     v0, v1 = load_model(tied_model_dir), load_model(tied_model_dir)
     state = perturbed(v0)
@@ -400,7 +400,7 @@ def test_a_shadow_workers_largest_status_fits_the_pools_limit():
 
     verifier = WeightVerifier("full")
     verifier.last_mismatch = VerifyResult(version=2, kind="full", checked=["w0"], mismatched=["w0"], unverifiable=[])
-    engine = FakeEngine(EngineConfig())
+    engine = FakeEngine(FakeEngineConfig())
     engine.occupancy = lambda: {"busy_seq_s": 1.0, "capacity_seq_s": 2.0,  # the HF streaming engine's split too
                                 "idle_queued_seq_s": 0.1, "idle_empty_seq_s": 0.2, "pause_seq_s": 0.05}
     worker = RolloutWorker("w0", engine, lambda *a, **k: [0.0], SimpleNamespace(status={}),

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from asyncrl.config import EngineConfig
+from asyncrl.config import HFEngineConfig
 from asyncrl.logprobs import token_logprobs
 from asyncrl.transport import ReceivedLease
 from asyncrl.weights import WeightUpdate
@@ -71,7 +71,7 @@ def _logprobs(model, prompt_ids, response_ids) -> torch.Tensor:
 
 
 def test_partial_rollouts_keep_tokens_and_carry_version_spans(model_dir):
-    engine = build_engine(EngineConfig(type="hf", model=model_dir, max_new_tokens=12, stop_token_ids=[], **SAMPLING))
+    engine = build_engine(HFEngineConfig(model=model_dir, max_new_tokens=12, stop_token_ids=[], **SAMPLING))
     engine.stop_ids = [10**6]  # never stop early: every response spans the update
     v0 = load_model(model_dir)
     v1_state = perturbed(v0, scale=0.1, seed=1)
@@ -93,7 +93,7 @@ def test_partial_rollouts_keep_tokens_and_carry_version_spans(model_dir):
 
 
 def test_multi_turn_environment_masks_environment_tokens(model_dir):
-    engine = build_engine(EngineConfig(type="hf", model=model_dir, max_new_tokens=6, **SAMPLING))
+    engine = build_engine(HFEngineConfig(model=model_dir, max_new_tokens=6, **SAMPLING))
     model = load_model(model_dir)
     sender = FakeSender()
     worker = RolloutWorker("w0", engine, fake_reward, sender, max_batch=2, environment=ArithmeticRetryEnv)
@@ -129,7 +129,7 @@ def test_rewards_sync_async_and_bad_values(model_dir):
     with pytest.raises(ValueError, match="returned 2 values for 1"):
         call_reward(lambda p, cs: [0.0, 0.0], [{}], [c])
 
-    engine = build_engine(EngineConfig(type="hf", model=model_dir, max_new_tokens=4, **SAMPLING))
+    engine = build_engine(HFEngineConfig(model=model_dir, max_new_tokens=4, **SAMPLING))
     sender = FakeSender()
     RolloutWorker("w0", engine, lambda p, cs: [float("nan")] * len(cs), sender, max_batch=1).step(_leases(1))
     assert not sender.groups and len(sender.failed) == 1 and "non-finite" in sender.failed[0][1]
@@ -137,7 +137,7 @@ def test_rewards_sync_async_and_bad_values(model_dir):
 
 def test_every_rollout_says_what_it_was_sampled_with(model_dir):
     """The trainer's logprobs take temperature/top-k/top-p from the batch (asyncrl.logprobs.batch_logprobs)."""
-    engine = build_engine(EngineConfig(type="hf", model=model_dir, max_new_tokens=4, **SAMPLING))
+    engine = build_engine(HFEngineConfig(model=model_dir, max_new_tokens=4, **SAMPLING))
     sender = FakeSender()
     RolloutWorker("w0", engine, fake_reward, sender, max_batch=2).step(_leases(2, group_size=2))
     want = {k: SAMPLING[k] for k in ("temperature", "top_k", "top_p")}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from asyncrl._logging import Throttle
-from asyncrl.config import EngineConfig
+from asyncrl.config import FakeEngineConfig
 from asyncrl.transport import ReceivedLease
 from workers.engines.base import build_engine
 from workers.rewards import fake_reward
@@ -33,7 +33,7 @@ def lease(lease_id: int, prompt) -> ReceivedLease:
 
 def worker() -> tuple[RolloutWorker, FakeSender]:
     sender = FakeSender()
-    return RolloutWorker("w0", build_engine(EngineConfig()), fake_reward, sender, max_batch=4), sender
+    return RolloutWorker("w0", build_engine(FakeEngineConfig()), fake_reward, sender, max_batch=4), sender
 
 
 def test_a_worker_fed_a_poisoned_prompt_logs_a_bounded_number_of_lines(caplog):

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncrl.config import EngineConfig
+from asyncrl.config import FakeEngineConfig
 from asyncrl.rollout import spans_of
 from workers.engines.base import Completion, Engine, Finished, GenerationRequest, prompt_token_ids
 
@@ -79,7 +79,7 @@ class FakeEngine(Engine):
     follows_pool_version = True
     streaming = True
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: FakeEngineConfig):
         self.config = config
         self.policy_version = 0
         self._reqs: dict[int, _Req] = {}

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncrl.config import EngineConfig
+from asyncrl.config import EngineConfig, HFEngineConfig
 from asyncrl.images import prompt_images, vision_token_ids
 from workers.engines._hf_decode import CompiledStep, decode, supports_decode, warpers
 from workers.engines._multimodal import hf_image_inputs, load_causal_lm, load_processor
@@ -108,7 +108,7 @@ def length_targets(config: EngineConfig, request: GenerationRequest, limit: int)
 class HFEngine(Engine):
     streaming = True
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: HFEngineConfig):
         from transformers import AutoTokenizer, GenerationConfig
 
         if config.type != "hf" or not config.model:

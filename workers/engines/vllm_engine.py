@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from asyncrl._owned_dir import make_owned_dir
-from asyncrl.config import EngineConfig
+from asyncrl.config import VllmEngineConfig
 from workers.engines.base import Completion, Engine, Finished, GenerationRequest, prompt_token_ids
 from workers.engines._multimodal import vllm_image_data
 from workers.engines.hf import length_targets
@@ -113,7 +113,7 @@ class VLLMEngine(Engine):
     """Both interfaces on one ``vllm.LLM``: :meth:`generate` (static batches) and, once :meth:`submit` is called,
     streaming through an engine thread (:mod:`workers.engines.vllm_stream`)."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: VllmEngineConfig):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -1,0 +1,81 @@
+"""The GRPO recipe's run file: one section per component, as ``recipes/configs/*.yaml`` spell them.
+
+``recipes/grpo.py`` reads a :class:`RecipeConfig` (:func:`load_config`: a YAML file plus dotted ``KEY=VALUE``
+overrides, unknown keys refused, renamed ones with their new name) and writes it as ``config.json`` into the run
+directory and every checkpoint; ``asyncrl.debug.rejection`` reads those back to replay a rejected batch.
+
+::
+
+    run_dir
+    model       ModelConfig        the policy every process loads
+    data        DataConfig         the prompts
+    train       TrainConfig        steps, AdamW, warm start, DDP/FSDP2
+    loss        LossConfig         the GRPO family and its off-policy corrections
+    guard       GuardConfig        which updates are rejected
+    lora        LoraConfig         an adapter (or QLoRA) instead of full fine-tuning
+    checkpoint  CheckpointConfig   when to save, how many to keep
+    weights     WeightSyncConfig   the trainer -> workers weight channel
+    rollout     LoaderConfig       the rollout side: pool, channel, gate, workers (their engine and reward)
+    debug       DebugConfig        the RL debugger
+    testing     TestingConfig      fault injection for the project's tests only
+
+``rollout`` is the :class:`~asyncrl.config.LoaderConfig` because the loader owns the whole rollout side of a rank:
+its pool, its channel and the local workers it starts; ``rollout.max_staleness`` is the one knob of the regime.
+The reward lives in ``rollout.worker.reward``, where the workers that score read it. Plain data: nothing here
+blocks or starts anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from asyncrl.config._load import load_run_file
+from asyncrl.config.data import DataConfig
+from asyncrl.config.debug import DebugConfig
+from asyncrl.config.loader import LoaderConfig
+from asyncrl.config.testing import TestingConfig
+from asyncrl.config.train import (
+    FSDP2_REFUSAL,
+    VLLM_REFUSAL,
+    CheckpointConfig,
+    GuardConfig,
+    LoraConfig,
+    LossConfig,
+    ModelConfig,
+    TrainConfig,
+)
+from asyncrl.config.weights import WeightSyncConfig
+
+__all__ = ["RecipeConfig", "load_config"]
+
+
+@dataclass(kw_only=True, slots=True)
+class RecipeConfig:
+    """A whole run of ``recipes/grpo.py``."""
+
+    run_dir: str = "runs/grpo"
+    """Everything the run writes (metrics, checkpoints, dumps, report); held by one run at a time."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    weights: WeightSyncConfig = field(default_factory=lambda: WeightSyncConfig(type="shm"))
+    rollout: LoaderConfig = field(default_factory=LoaderConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    testing: TestingConfig = field(default_factory=TestingConfig)
+    """Fault injection for the project's tests (never set in a real run)."""
+
+    def __post_init__(self) -> None:
+        if self.lora.qlora:  # refused here, before any process starts, with the reason
+            if self.train.parallel != "ddp":
+                raise ValueError(f"lora.qlora=true with train.parallel={self.train.parallel}: {FSDP2_REFUSAL}")
+            if self.rollout.worker.engine.type == "vllm":
+                raise ValueError(f"lora.qlora=true with rollout.worker.engine.type=vllm: {VLLM_REFUSAL}")
+
+
+def load_config(path: str | None, overrides: list[str]) -> RecipeConfig:
+    """A YAML run file plus dotted ``KEY=VALUE`` overrides (values parsed as YAML)."""
+    return load_run_file(RecipeConfig, path, overrides)
