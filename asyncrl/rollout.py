@@ -55,7 +55,7 @@ MAX_INCARNATION_CHARS = 64
 
 
 def _images(v: Any) -> list[bytes]:
-    from asyncrl.images import MAX_IMAGES
+    from asyncrl.data.images import MAX_IMAGES
 
     if not isinstance(v, list) or len(v) > MAX_IMAGES or not all(isinstance(x, bytes) for x in v):
         raise DecodeError(f"images must be a list of at most {MAX_IMAGES=} byte strings, got {v!r:.100}")
@@ -98,7 +98,7 @@ class Rollout:
     policy_version: int
     """The oldest policy version that produced any of its tokens (staleness is measured from it)."""
     incarnation: str = ""
-    """The trainer run incarnation whose weights produced it (:mod:`asyncrl.timeline`); ``""`` = unknown
+    """The trainer run incarnation whose weights produced it (:mod:`asyncrl.pool.timeline`); ``""`` = unknown
     (an engine that never received weights): judged by ``policy_version`` alone."""
     prompt_ids: torch.Tensor
     """int32 ``[P]`` prompt token ids."""
@@ -123,9 +123,9 @@ class Rollout:
     """Free-form msgpack-able data."""
     sampling: dict[str, Any] | None = None
     """``{"temperature", "top_k", "top_p"}`` its engine sampled with (``logprobs`` are under them, and so must the
-    trainer's be: :func:`asyncrl.logprobs.batch_logprobs`); None = not reported (an older sender)."""
+    trainer's be: :func:`asyncrl.train.logprobs.batch_logprobs`); None = not reported (an older sender)."""
     images: list[bytes] = field(default_factory=list)
-    """The prompt's images, encoded, exactly the bytes the engine was given (:mod:`asyncrl.images`); their
+    """The prompt's images, encoded, exactly the bytes the engine was given (:mod:`asyncrl.data.images`); their
     provenance (sha256, size) is ``metadata["images"]``. The trainer recomputes logprobs from these."""
 
     @property

@@ -11,17 +11,17 @@ A real trainer loop without the model: the "update" is ``version += 1``. What it
 
 * ``consumed.jsonl``: one line per committed step ``{step, version, incarnation, group_ids, pairs, ...}``,
   ``version`` the policy version the batch was trained at, ``pairs`` the ``[incarnation, policy_version]``
-  of its rollouts; truncated with :func:`asyncrl.run_dir.truncate_records` to the resumed step on resume,
+  of its rollouts; truncated with :func:`asyncrl.checkpoint.run_dir.truncate_records` to the resumed step on resume,
   so after the run it is the history of the final timeline.
 * ``history.jsonl``: the same lines, never truncated (every batch any incarnation trained).
 * ``lineage.jsonl``: one line per incarnation ``{incarnation, parent, start_version, start_step, pid}``.
 * ``pids/{incarnation}.json``: this trainer's pid and every local worker pid it started (rewritten on change).
 * ``stats/{incarnation}.json``: ``loader.stats()`` every few steps; ``done.json`` at the end.
-* ``checkpoints/``: an :class:`asyncrl.checkpoint.CheckpointDir` (``loader-rank0.pt`` = loader state,
+* ``checkpoints/``: an :class:`asyncrl.checkpoint.checkpointer.CheckpointDir` (``loader-rank0.pt`` = loader state,
   ``trainer-rank0.pt`` = step, version, incarnation).
 
 Fault injection: if ``pause-request`` in the run directory names a save point (one of
-:data:`asyncrl.checkpoint.SAVE_POINTS` or ``written``: files written, not committed), the next save
+:data:`asyncrl.checkpoint.checkpointer.SAVE_POINTS` or ``written``: files written, not committed), the next save
 that reaches it writes ``paused.json`` ``{point, step, pid}`` and sleeps until the harness SIGKILLs it
 (at most ``PAUSE_S``, then it carries on and says so on stderr).
 """
@@ -41,11 +41,11 @@ from typing import Any
 import torch
 
 from asyncrl import FakeEngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
-from asyncrl.checkpoint import CheckpointDir
+from asyncrl.checkpoint.checkpointer import CheckpointDir
 from asyncrl.config import GateConfig, WeightSyncConfig
 from asyncrl.rollout import Group
-from asyncrl.run_dir import RunDirLock, truncate_records
-from asyncrl.timeline import new_incarnation
+from asyncrl.checkpoint.run_dir import RunDirLock, truncate_records
+from asyncrl.pool.timeline import new_incarnation
 from asyncrl.weights import setup_weight_broadcaster
 from datapipes.collate import collate_groups
 

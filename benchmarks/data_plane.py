@@ -89,7 +89,7 @@ from asyncrl.transport import ReceivedLease, RolloutSender
 from datapipes.collate import TrainBatch, collate_groups
 from datapipes.loader import RolloutLoader
 from workers.engines.fake import FakeEngine
-from workers.rewards import fake_reward
+from asyncrl.rewards.legacy import fake_reward
 from workers.worker import RolloutWorker
 
 PROMPT_TOKENS = 64

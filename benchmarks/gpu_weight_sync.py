@@ -4,11 +4,11 @@ Payload: the tensors of Qwen2.5-1.5B (``--layers 28``: 338 tensors, 1.54B parame
 embeddings, so no ``lm_head``), random on the GPU, each version the previous one plus 1 (``_foreach_add_``). Fewer
 ``--layers`` (and ``--vocab``) make a smaller model of the same shape; the GPU test runs 2 layers.
 
-  cuda_ipc   :class:`~asyncrl.weights.cuda_ipc_weights.CudaIpcWeightBroadcaster` (slots prepared before the worker
+  cuda_ipc   :class:`~asyncrl.weights.cuda_ipc.CudaIpcWeightBroadcaster` (slots prepared before the worker
              starts, so it opens them at start-up) and one receiver process; the worker's "engine" is a copy of
              the model whose tensors live in one flat buffer (:class:`~asyncrl.weights._ipc_memory.FlatTarget`),
              so applying is one device copy.
-  nccl       :class:`~asyncrl.weights.nccl_weights.NcclWeightBroadcaster` on ``cuda:0`` and one receiver process on
+  nccl       :class:`~asyncrl.weights.nccl.NcclWeightBroadcaster` on ``cuda:0`` and one receiver process on
              ``--nccl-device`` (``cuda:1`` where there are two GPUs); the engine applies with ``_foreach_copy_``.
              NCCL refuses two ranks on one GPU (``Duplicate GPU detected``, ``ncclInvalidUsage``, since NCCL 2.5;
              NVIDIA/nccl#418: "not allowed and it will not work, even if you remove the check"): on a one-GPU machine
@@ -129,11 +129,11 @@ def _worker(backend: str, address: str, spec: dict[str, list[int]], trials: int,
         torch.cuda.set_device(torch.device(device))
         engine = {n: torch.zeros(s, dtype=torch.bfloat16, device=device) for n, s in spec.items()}
         if backend == "cuda_ipc":
-            from asyncrl.weights.cuda_ipc_weights import CudaIpcWeightReceiver
+            from asyncrl.weights.cuda_ipc import CudaIpcWeightReceiver
 
             receiver = CudaIpcWeightReceiver(address, receiver_id="w0", device=device, timeout_s=wait_s)
         else:
-            from asyncrl.weights.nccl_weights import NcclWeightReceiver
+            from asyncrl.weights.nccl import NcclWeightReceiver
 
             receiver = NcclWeightReceiver(address, receiver_id="w0", device=device, timeout_s=wait_s)
         t0 = time.perf_counter()
@@ -194,13 +194,13 @@ def run(backend: str = "cuda_ipc", layers: int = 28, vocab: int = 151936, trials
     model = _model(spec, "cuda:0")
     nbytes = sum(t.numel() * t.element_size() for t in model.values())
     if backend == "cuda_ipc":
-        from asyncrl.weights.cuda_ipc_weights import CudaIpcWeightBroadcaster
+        from asyncrl.weights.cuda_ipc import CudaIpcWeightBroadcaster
 
         broadcaster = CudaIpcWeightBroadcaster(device=0)
         broadcaster.prepare(model)
         device = "cuda:0"
     else:
-        from asyncrl.weights.nccl_weights import NcclWeightBroadcaster
+        from asyncrl.weights.nccl import NcclWeightBroadcaster
 
         broadcaster = NcclWeightBroadcaster(device="cuda:0", bucket_bytes=1 << 30)
         device = nccl_device or ("cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")

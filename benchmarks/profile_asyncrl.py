@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from asyncrl.config import LoaderConfig, TransportConfig, WorkerConfig
-from asyncrl.transport import zmq_transport
+from asyncrl.transport import zmq as zmq_transport
 from benchmarks.data_plane import (
     ENGINE,
     GROUP_SIZE,

@@ -15,7 +15,7 @@ the recipe runs as a user would start it (``torchrun --nproc-per-node 1 recipes/
 What is the same and what is not (the fairness of it): both sample their own tokens from their own policies, so
 each run records its mean response length (tokens per rollout; the table shows it). Threads: TRL runs one process
 (``trl``: torch's default intra-op threads, ``trl1``: one); the recipe's trainer and each worker run one intra-op
-thread each (``asyncrl.threads``), so the recipe can keep both cores busy where TRL's single process cannot, which
+thread each (``asyncrl.train.threads``), so the recipe can keep both cores busy where TRL's single process cannot, which
 is the point of it at ``max_staleness >= 1``. The prompt is the raw text for TRL and BOS + text for the recipe (one
 token). The recipe's step also runs its update guard, weight publish and debugger; TRL its own logging.
 
@@ -100,8 +100,8 @@ def trl_child(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from asyncrl.reward_funcs import arithmetic_reward
-    from workers.tasks import arithmetic_prompts
+    from asyncrl.rewards.builtin import arithmetic_reward
+    from asyncrl.data.tasks import arithmetic_prompts
 
     out = Path(args.trl_child)
     if args.threads:
@@ -151,9 +151,9 @@ def engine_child(args: argparse.Namespace) -> None:
     import torch
 
     from asyncrl.config import HFEngineConfig
-    from workers.engines.base import build_engine
-    from workers.engines.hf import left_pad
-    from workers.tasks import arithmetic_prompts
+    from workers.engines import build_engine
+    from workers.engines._rows import left_pad
+    from asyncrl.data.tasks import arithmetic_prompts
 
     torch.set_num_threads(1)
     out = Path(args.engine_child)
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         args.model_dir = str(Path(args.model).resolve())
     else:
-        from workers.tiny_model import build_tiny_model
+        from asyncrl.testing.tiny_model import build_tiny_model
 
         args.model_dir = str(build_tiny_model(work / "model"))
     per_step = args.prompts_per_step * args.generations

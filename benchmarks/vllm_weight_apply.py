@@ -36,11 +36,11 @@ def measure(layers: int, hidden: int, intermediate: int, repeats: int) -> dict[s
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from safetensors.torch import load_file
 
-    import workers.tiny_model as tm
+    import asyncrl.testing.tiny_model as tm
     from asyncrl.config import VllmEngineConfig
     from asyncrl.weights.base import WeightUpdate
-    from asyncrl.weights.shm_weights import ShmWeightBroadcaster, ShmWeightReceiver
-    from workers.engines.base import build_engine
+    from asyncrl.weights.shm import ShmWeightBroadcaster, ShmWeightReceiver
+    from workers.engines import build_engine
 
     work = Path(tempfile.mkdtemp(prefix="asyncrl-vllm-apply-"))
     shape = {"hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,

@@ -9,7 +9,7 @@ component per row (NaN where a rollout lacks it), for the recipe's per-function 
 
 ``sampling`` is what the batch's rollouts were sampled with (temperature, top-k, top-p, as their workers
 reported): the trainer's logprobs must be computed under the same distribution, and
-:func:`asyncrl.logprobs.batch_logprobs` takes them from here. A batch whose rollouts disagree (workers
+:func:`asyncrl.train.logprobs.batch_logprobs` takes them from here. A batch whose rollouts disagree (workers
 configured differently) carries the list of distinct settings instead, which that helper refuses.
 """
 
@@ -71,7 +71,7 @@ class TrainBatch(TypedDict):
     """Real tokens in the batch."""
     images: NotRequired[list[list[bytes]]]
     """Only in a batch with image prompts: per row, the encoded images its engine was given (``Rollout.images``);
-    :func:`asyncrl.logprobs.batch_logprobs` re-runs the model's processor on them."""
+    :func:`asyncrl.train.logprobs.batch_logprobs` re-runs the model's processor on them."""
     image_sha256: NotRequired[list[list[str]]]
     """Only with ``images``: per row, each image's SHA-256 (provenance, as in the rollout's ``metadata``)."""
 
@@ -148,7 +148,7 @@ def _images(rollouts: list) -> dict[str, Any]:
 
 
 def _components(rollouts: list) -> dict[str, torch.Tensor]:
-    """``name -> [B]`` float32 of each reward component (``asyncrl.rewards``: one per reward function, plus
+    """``name -> [B]`` float32 of each reward component (``asyncrl.rewards.reward_set``: one per reward function, plus
     extras), NaN in rows that do not have it (a function that returned None for them)."""
     names = sorted({k for r in rollouts for k in r.reward_components})
     return {k: torch.tensor([r.reward_components.get(k, float("nan")) for r in rollouts], dtype=torch.float32)

@@ -18,7 +18,7 @@ batch yielded so far except the newest ``config.prefetch`` ones, the batches a p
 taken with a batch prefetched loses nothing. (With ``prefetch=0``, the default, a state after k batches
 continues at batch k + 1, as for any torchdata node.) Every rollout is stamped with the trainer
 incarnation whose weights made it; the pool trains only rollouts of this run's timeline
-(:mod:`asyncrl.timeline`).
+(:mod:`asyncrl.pool.timeline`).
 
 M:N: with ``world_size`` trainer ranks, each rank's loader owns shard ``rank`` of the prompt ledger
 and binds its own pool; when a process group exists the ranks exchange endpoints and every local
@@ -40,8 +40,8 @@ import torch.distributed as dist
 from torchdata.nodes import Batcher, Loader, Mapper
 
 from asyncrl.config import LoaderConfig
-from asyncrl.ledger import PromptLedger
-from asyncrl.pool import RolloutPool
+from asyncrl.pool.ledger import PromptLedger
+from asyncrl.pool.buffer import RolloutPool
 from asyncrl.rollout import Group
 from asyncrl.transport import RolloutReceiver, setup_rollout_receiver
 from asyncrl.weights.verify import weight_mismatches
@@ -68,7 +68,7 @@ class RolloutLoader(Loader[TrainBatch]):
         collate_fn: ``list[Group] -> batch``; default :func:`~datapipes.collate.collate_groups`.
         prompt_lengths: optional prompt token counts, to balance rank shards by tokens.
         incarnation: this trainer incarnation, the same on every rank and given to the weight broadcaster
-            (:func:`asyncrl.timeline.new_incarnation`, once per start or resume); default: a new one.
+            (:func:`asyncrl.pool.timeline.new_incarnation`, once per start or resume); default: a new one.
         **overrides: fields of :class:`~asyncrl.config.LoaderConfig`.
     """
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from torchdata.nodes import BaseNode
 
-from asyncrl.pool import RolloutPool
+from asyncrl.pool.buffer import RolloutPool
 from asyncrl.rollout import Group
 from asyncrl.transport import RolloutReceiver
 
@@ -31,7 +31,7 @@ __all__ = ["RolloutPoolNode"]
 
 
 class RolloutPoolNode(BaseNode[Group]):
-    """Yields fresh, whole groups from a :class:`~asyncrl.pool.RolloutPool`.
+    """Yields fresh, whole groups from a :class:`~asyncrl.pool.buffer.RolloutPool`.
 
     Args:
         pool: the rank's pool.

@@ -25,17 +25,22 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncrl import HFEngineConfig, RolloutLoader, WorkerConfig
-from asyncrl.checkpoint import Checkpointer
-from asyncrl.config import WeightSyncConfig
-from asyncrl.config import GuardConfig
-from asyncrl.guard import UpdateGuard
-from asyncrl.logprobs import batch_logprobs
-from asyncrl.policy_sync import PolicySync
-from asyncrl.run_dir import continue_records, hold_run_dir
-from asyncrl.weights import setup_weight_broadcaster
-from workers.tasks import arithmetic_prompts
-from workers.tiny_model import build_tiny_model
+from asyncrl import (
+    Checkpointer,
+    GuardConfig,
+    HFEngineConfig,
+    PolicySync,
+    RolloutLoader,
+    UpdateGuard,
+    WeightSyncConfig,
+    WorkerConfig,
+    batch_logprobs,
+    continue_records,
+    hold_run_dir,
+    setup_weight_broadcaster,
+)
+from asyncrl.data.tasks import arithmetic_prompts
+from asyncrl.testing.tiny_model import build_tiny_model
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=30)
@@ -86,7 +91,7 @@ for batch in loader:
     logp = batch_logprobs(model, batch, grad=True)  # under the temperature/top-k/top-p the rollouts were sampled with
     rewards = batch["rewards"].view(-1, args.group_size)  # one row per group
     advantages = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)).flatten()
-    loss = -(advantages[:, None] * logp)[batch["loss_mask"]].mean()  # REINFORCE; asyncrl.losses has the GRPO family
+    loss = -(advantages[:, None] * logp)[batch["loss_mask"]].mean()  # REINFORCE; asyncrl.train.losses has the GRPO family
 
     verdict = guard.step(loss)  # backward, clip, step; undone exactly if rejected
     sync.commit(verdict.accepted)  # the RL-only line: the pool's version moves, workers get the new policy

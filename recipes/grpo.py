@@ -11,17 +11,17 @@ off-policy), k (fully async). Per step, on every rank::
 
     batch = next(loader)                        # groups of this rank's shard, no staler than max_staleness
     logp  = token_logprobs(policy, batch)       # trainer-side forward (DDP)
-    loss  = compute_loss(batch, logp, config=loss)  # asyncrl.losses: advantages, loss_type (+ KL to the reference)
-    verdict = guard.step(loss)                  # asyncrl.guard: backward, clip, step; a non-finite loss/grad or
+    loss  = compute_loss(batch, logp, config=loss)  # asyncrl.train.losses: advantages, loss_type (+ KL to the reference)
+    verdict = guard.step(loss)                  # asyncrl.train.guard: backward, clip, step; a non-finite loss/grad or
                                                 #   |dtheta|/|theta| > max is undone exactly (the batch is dumped)
-    sync.commit(verdict.accepted)               # asyncrl.policy_sync: the pool's version moves, then rank 0
+    sync.commit(verdict.accepted)               # asyncrl.train.policy_sync: the pool's version moves, then rank 0
                                                 #   publishes the weights (or only the LoRA adapter)
 
 Outputs in ``run_dir``: ``metrics.jsonl`` (one line per step, rank 0), ``consumed-rank{r}.jsonl`` (the
 groups each rank trained on), ``checkpoints/step-N`` (model + optimizer via torch.distributed.checkpoint,
 loader state per rank, version, RNG, config; staged, marked COMPLETE, renamed, then ``latest`` moves: see
-asyncrl.checkpoint), ``.lock`` (held by rank 0 while the run lives, naming it: a second run on the directory is
-refused; asyncrl.run_dir), ``dumps/`` (rejected and anomalous batches, msgpack), ``report.png`` (reward and
+asyncrl.checkpoint.checkpointer), ``.lock`` (held by rank 0 while the run lives, naming it: a second run on the directory is
+refused; asyncrl.checkpoint.run_dir), ``dumps/`` (rejected and anomalous batches, msgpack), ``report.png`` (reward and
 staleness over steps), ``debug/`` (the debugger's per-step record and anomalies), ``report/index.html``.
 """
 
@@ -42,33 +42,46 @@ if __name__ == "__main__":  # a rank: no cyclic collections over the heap the im
 import torch
 import torch.distributed as dist
 
-from asyncrl import RolloutLoader
+from asyncrl import (  # the public surface: every component the recipe picks
+    Checkpointer,
+    Debugger,
+    PolicySync,
+    RecipeConfig,
+    ReferencePolicy,
+    RewardSet,
+    RolloutLoader,
+    RunDirLocked,
+    UpdateGuard,
+    adamw,
+    batch_sampling,
+    component_means,
+    compute_loss,
+    continue_records,
+    hold_run_dir,
+    load_causal_lm,
+    load_config,
+    load_processor,
+    load_prompts,
+    mismatch_metrics,
+    parallelize,
+    record_files,
+    reward_weights,
+    start_weight_sync,
+    token_logprobs,
+)
 from asyncrl._gc import freeze_import_heap
-from asyncrl.checkpoint import Checkpointer
 from asyncrl.codec import dumps_json
-from asyncrl.data import load_prompts, sft_batch
-from asyncrl.debug.detectors import Debugger
+from asyncrl.data.images import processor_inputs, vision_token_ids
+from asyncrl.data.prompts import sft_batch
 from asyncrl.debug.plot import plot
 from asyncrl.debug.rejection import replay_rejection, write_rejected_batch  # noqa: F401 (tests replay from here)
-from asyncrl.guard import UpdateGuard
-from asyncrl.images import processor_inputs, vision_token_ids
 from asyncrl.lifeline import die_with_parent, end_run  # noqa: F401 (tests and benchmarks end runs with it)
-from asyncrl.logprobs import batch_sampling, token_logprobs
-from asyncrl.losses import all_reduce_sum, compute_loss, mismatch_metrics
-from asyncrl.optim import adamw
-from asyncrl.parallel import parallelize
-from asyncrl.policy_sync import PolicySync
-from asyncrl.config import RecipeConfig, load_config  # the run file's sections, one per component
-from asyncrl.reference import ReferencePolicy
-from asyncrl.rewards import RewardSet, component_means, reward_weights
-from asyncrl.run_dir import RunDirLocked, continue_records, hold_run_dir, record_files
-from asyncrl.step_metrics import batch_stats, global_metrics, pipeline_counters
-from asyncrl.threads import trainer_threads
-from asyncrl.timeline import new_incarnation
-from asyncrl.weights.start import start_weight_sync
-from workers.engines._multimodal import load_causal_lm, load_processor
-from workers.tiny_model import build_tiny_model
-from workers.tiny_vlm import build_tiny_vlm
+from asyncrl.pool.timeline import new_incarnation
+from asyncrl.testing.tiny_model import build_tiny_model
+from asyncrl.testing.tiny_vlm import build_tiny_vlm
+from asyncrl.train.losses import all_reduce_sum
+from asyncrl.train.step_metrics import batch_stats, global_metrics, pipeline_counters
+from asyncrl.train.threads import trainer_threads
 
 # ----------------------------------------------------------------------------------------------------------------------
 # the recipe
@@ -169,8 +182,8 @@ class GRPORecipe:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.processor = load_processor(self.model_dir)  # a vision-language model's: image prompts' pixel inputs
         self.base_ref = None
-        if lora and cfg.lora.qlora:  # the 4-bit base, loaded as every HF engine loads it (asyncrl.qlora)
-            from asyncrl.qlora import base_reference, load_quantized_base
+        if lora and cfg.lora.qlora:  # the 4-bit base, loaded as every HF engine loads it (asyncrl.models.qlora)
+            from asyncrl.models.qlora import base_reference, load_quantized_base
 
             policy = load_quantized_base(self.model_dir, dtype=cfg.model.dtype, device=self.device)
             self.base_ref = base_reference(policy, self.model_dir)
@@ -182,8 +195,8 @@ class GRPORecipe:
 
             self.peft_config = LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, target_modules=cfg.lora.target_modules)
             policy = get_peft_model(policy, self.peft_config)
-            if self.rank == 0:  # what LoRA vs QLoRA hold (asyncrl.qlora.parameter_bytes)
-                from asyncrl.qlora import parameter_bytes
+            if self.rank == 0:  # what LoRA vs QLoRA hold (asyncrl.models.qlora.parameter_bytes)
+                from asyncrl.models.qlora import parameter_bytes
 
                 print(f"policy parameter bytes ({'qlora' if cfg.lora.qlora else 'lora'}): {parameter_bytes(policy)}",
                       file=sys.stderr, flush=True)
@@ -209,7 +222,7 @@ class GRPORecipe:
             opt.step()
 
     def _images(self, images: list[list[bytes]] | None) -> dict[str, torch.Tensor]:
-        """The model's pixel inputs for rows' image bytes (re-run processor, asyncrl.images); {} for text rows."""
+        """The model's pixel inputs for rows' image bytes (re-run processor, asyncrl.data.images); {} for text rows."""
         return processor_inputs(self.processor, images, device=self.device, dtype=self.policy.dtype) if images else {}
 
     def _start_weight_sync(self) -> None:
@@ -346,7 +359,7 @@ class GRPORecipe:
 
     # -- checkpoint --------------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
-        """One complete checkpoint (asyncrl.checkpoint.Checkpointer: model + optimizer via DCP, each rank's loader
+        """One complete checkpoint (asyncrl.checkpoint.checkpointer.Checkpointer: model + optimizer via DCP, each rank's loader
         state, RNG, step, policy version, and the config); a step already on disk is not saved again."""
         self.checkpointer.save(self.step, self.version, files={"config.json": dumps_json(dataclasses.asdict(self.cfg))})
 

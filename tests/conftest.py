@@ -1,5 +1,5 @@
 """Shared test set-up: no hub access, quiet logs, GPU/vLLM tests skip cleanly where unavailable, the tiny
-BPE chat model (``workers.tiny_bpe``) built once per session, and one vLLM engine on the tiny model shared by the
+BPE chat model (``asyncrl.testing.tiny_bpe``) built once per session, and one vLLM engine on the tiny model shared by the
 modules that update its weights."""
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_chat_model(tmp_path_factory) -> str:
     """Directory of the tiny Qwen2 chat model with a byte-level BPE tokenizer and a ChatML template
-    (``workers.tiny_bpe.build_tiny_chat_model``), built once per test session, deterministically."""
-    from workers.tiny_bpe import build_tiny_chat_model
+    (``asyncrl.testing.tiny_bpe.build_tiny_chat_model``), built once per test session, deterministically."""
+    from asyncrl.testing.tiny_bpe import build_tiny_chat_model
 
     return str(build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat") / "model"))
 
@@ -38,8 +38,8 @@ def tiny_chat_model(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_vlm(tmp_path_factory) -> str:
     """Directory of the tiny LLaVA vision-language model (CLIP tower + Qwen2 LM, the BPE tokenizer with vision
-    tokens, a ``LlavaProcessor``: ``workers.tiny_vlm.build_tiny_vlm``), built once per test session."""
-    from workers.tiny_vlm import build_tiny_vlm
+    tokens, a ``LlavaProcessor``: ``asyncrl.testing.tiny_vlm.build_tiny_vlm``), built once per test session."""
+    from asyncrl.testing.tiny_vlm import build_tiny_vlm
 
     return str(build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm") / "model"))
 
@@ -60,7 +60,7 @@ class SharedVLLMEngine:
         if self._engine is None:
             from asyncrl.config import VllmEngineConfig
             from tests.engine_utils import SAMPLING
-            from workers.engines.base import build_engine
+            from workers.engines import build_engine
 
             self._engine = build_engine(VllmEngineConfig(model=self.model_dir, seed=3, max_new_tokens=16,
                                                      lora_rank=4, **SAMPLING))
@@ -80,7 +80,7 @@ class SharedVLLMEngine:
 @pytest.fixture(scope="session")
 def shared_vllm(tmp_path_factory):
     """:class:`SharedVLLMEngine` (tests/integration/test_vllm_engine.py, test_vllm_verify.py: one start-up, not two)."""
-    from workers.tiny_model import build_tiny_model
+    from asyncrl.testing.tiny_model import build_tiny_model
 
     shared = SharedVLLMEngine(str(build_tiny_model(tmp_path_factory.mktemp("vllm-shared") / "tiny")))
     yield shared

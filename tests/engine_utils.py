@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.logprobs import token_logprobs
+from asyncrl.train.logprobs import token_logprobs
 from asyncrl.rollout import Group, Rollout
 from asyncrl.weights.base import WeightUpdate
 from datapipes.collate import collate_groups

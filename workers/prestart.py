@@ -47,7 +47,7 @@ _prestarted: list[tuple[subprocess.Popen, dict[str, str]]] = []
 
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a local worker: one intra-op thread (the trainer gets the other cores,
-    :mod:`asyncrl.threads`), unbuffered output, then ``extra``."""
+    :mod:`asyncrl.train.threads`), unbuffered output, then ``extra``."""
     return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(extra or {})}
 
 

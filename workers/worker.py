@@ -23,11 +23,11 @@ incarnation's whatever their version (the broadcaster is the authority), and a l
 incarnation the engine does not hold waits up to ``weights.catch_up_s`` for that incarnation's weights
 before generating (the pool refuses rollouts off its timeline either way). A lease the worker cannot
 finish (engine or reward error) is reported as FAILED with the error text; the worker carries on.
-Rewards are scored once per batch (:class:`asyncrl.rewards.RewardSet`: sync functions over the whole batch,
+Rewards are scored once per batch (:class:`asyncrl.rewards.reward_set.RewardSet`: sync functions over the whole batch,
 async ones per group, concurrently on the worker's one event loop); a reward function that fails on a group
 fails only that group's lease. When the engine fails a batch of several leases, each lease is generated again
 on its own, so one bad prompt does not fail its batch-mates (the pool counts failures per prompt and poisons a prompt that keeps
-failing, :mod:`asyncrl.poison`). Repeated warnings are throttled (:class:`asyncrl._logging.Throttle`). It exits when every pool says SHUTDOWN, when every pool goes silent for
+failing, :mod:`asyncrl.pool.poison`). Repeated warnings are throttled (:class:`asyncrl._logging.Throttle`). It exits when every pool says SHUTDOWN, when every pool goes silent for
 ``transport.peer_timeout_s``, or when its parent process (the local launcher) is gone.
 """
 
@@ -43,17 +43,17 @@ from typing import Any
 
 from asyncrl._logging import Throttle
 from asyncrl.config import FaultConfig, TransportConfig, WorkerConfig
-from asyncrl.images import image_provenance, prompt_images
-from asyncrl.rewards import RewardError, RewardSet
+from asyncrl.data.images import image_provenance, prompt_images
+from asyncrl.rewards.reward_set import RewardError, RewardSet
 from asyncrl.rollout import Group, Rollout, make_group_id
 from asyncrl.transport import ReceivedLease, RolloutSender, setup_rollout_sender
-from asyncrl.transport.zmq_transport import MAX_STATUS_KEYS
+from asyncrl.transport.zmq import MAX_STATUS_KEYS
 from asyncrl.weights.verify import WeightVerifier
-from workers.engines.base import Completion, Engine, GenerationRequest, build_engine
+from workers.engines import Completion, Engine, GenerationRequest, build_engine
 from workers import faults
 from workers.environments import Environment, env_reward, load_environment, run_episodes
 from workers.partial import generate_interruptible
-from workers.rewards import RewardFn
+from asyncrl.rewards.legacy import RewardFn
 
 __all__ = ["RolloutWorker", "run_worker"]
 
@@ -66,7 +66,7 @@ class RolloutWorker:
     Args:
         worker_id: unique name, stamped on every rollout.
         engine: the generation backend.
-        reward_fn: the reward functions (:class:`~asyncrl.rewards.RewardSet`), or one batched reward function.
+        reward_fn: the reward functions (:class:`~asyncrl.rewards.reward_set.RewardSet`), or one batched reward function.
         sender: the connected rollout channel.
         max_batch: most leases per engine call (static loop).
         streaming: serve through :class:`workers.streaming.StreamingLoop` (the engine must stream).
@@ -108,7 +108,7 @@ class RolloutWorker:
         self.fault = fault or FaultConfig()
         self.catch_up_s = catch_up_s
         self.verifier = verifier
-        c = getattr(engine, "config", None)  # what the engine samples with: every rollout says so (asyncrl.logprobs)
+        c = getattr(engine, "config", None)  # what the engine samples with: every rollout says so (asyncrl.train.logprobs)
         self._sampling = ({"temperature": float(c.temperature), "top_k": int(c.top_k), "top_p": float(c.top_p)}
                           if c is not None and all(hasattr(c, k) for k in ("temperature", "top_k", "top_p")) else None)
         """Post-sync verification of each applied update (:mod:`asyncrl.weights.verify`); None: off."""

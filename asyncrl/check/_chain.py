@@ -34,7 +34,7 @@ models), so an engine one update behind cannot pass."""
 
 def load_trainer_policy(ctx: Any) -> torch.nn.Module:
     """The trainer's policy as the recipe builds it: the model directory in ``ctx.dtype`` (``ctx.qlora``: its 4-bit
-    base, :func:`asyncrl.qlora.load_quantized_base`), wrapped with a peft LoRA adapter of rank ``ctx.lora_rank``
+    base, :func:`asyncrl.models.qlora.load_quantized_base`), wrapped with a peft LoRA adapter of rank ``ctx.lora_rank``
     (the recipe's ``lora`` defaults: alpha 16, q/k/v/o) when asked. ``ctx.imports`` are imported first."""
     import importlib
 
@@ -43,8 +43,8 @@ def load_trainer_policy(ctx: Any) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(ctx.seed)
-    if ctx.qlora:  # the 4-bit NF4 base the recipe and the HF engine load (asyncrl.qlora), adapter in full precision
-        from asyncrl.qlora import load_quantized_base
+    if ctx.qlora:  # the 4-bit NF4 base the recipe and the HF engine load (asyncrl.models.qlora), adapter in full precision
+        from asyncrl.models.qlora import load_quantized_base
 
         model = load_quantized_base(ctx.model, dtype=ctx.dtype)
     else:
@@ -63,7 +63,7 @@ def load_trainer_policy(ctx: Any) -> torch.nn.Module:
 
 def check_prompts(ctx: Any, *, offset: int = 0) -> list[dict[str, Any]]:
     """``ctx.prompts`` prompt items: arithmetic text, or the same as one user turn through the chat template."""
-    from workers.tasks import arithmetic_prompts
+    from asyncrl.data.tasks import arithmetic_prompts
 
     items = arithmetic_prompts(ctx.prompts, seed=ctx.seed + offset)
     if ctx.chat_template:

@@ -3,9 +3,9 @@
     python -m asyncrl.check._checkpoint_ranks SPEC.json     (under launch_ranks or torchrun: env:// rendezvous)
 
 Each task builds a fresh policy (:func:`asyncrl.check._policy.build_policy`), wraps it with
-:func:`asyncrl.parallel.parallelize` and gives it the recipe's optimizer (AdamW over the trainable parameters),
+:func:`asyncrl.train.parallel.parallelize` and gives it the recipe's optimizer (AdamW over the trainable parameters),
 a real :class:`~asyncrl.RolloutLoader` (no local workers: its pool and ledger, nothing generating) and a
-:class:`~asyncrl.checkpoint.Checkpointer`:
+:class:`~asyncrl.checkpoint.checkpointer.Checkpointer`:
 
 * ``save``: one optimizer step on a fixed batch (so AdamW's ``exp_avg``/``exp_avg_sq``/``step`` are not
   trivial), policy version 3 to the loader, an RNG state of this rank's own, then ``Checkpointer.save``;
@@ -70,18 +70,18 @@ def optimizer_digests(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
 
 
 def _trainer(spec: dict[str, Any]) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
-    import asyncrl.parallel  # looked up at call time: a --import module may wrap it
+    import asyncrl.train.parallel  # looked up at call time: a --import module may wrap it
     from asyncrl import LoaderConfig, RolloutLoader
 
     policy = build_policy(spec["model"], dtype=spec["dtype"], lora_rank=spec["lora_rank"], seed=spec["seed"])
-    model = asyncrl.parallel.parallelize(policy, spec["parallel"], torch.device("cpu"))
+    model = asyncrl.train.parallel.parallelize(policy, spec["parallel"], torch.device("cpu"))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     loader = RolloutLoader(PROMPTS, LoaderConfig(group_size=2, batch_size=2, num_workers=0, seed=spec["seed"]))
     return model, optimizer, loader
 
 
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: dict[str, Any]) -> None:
-    from asyncrl.logprobs import token_logprobs
+    from asyncrl.train.logprobs import token_logprobs
 
     batch = fixed_batch(**spec["batch"])
     logp = token_logprobs(model, batch["input_ids"], batch["attention_mask"], grad=True)
@@ -91,7 +91,7 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: dict[s
 
 
 def _task(task: dict[str, Any], spec: dict[str, Any], rank: int) -> dict[str, Any]:
-    from asyncrl.checkpoint import Checkpointer
+    from asyncrl.checkpoint.checkpointer import Checkpointer
 
     model, optimizer, loader = _trainer(spec)
     try:

@@ -162,7 +162,7 @@ def _build(config: dict[str, Any], engine_class: str | None) -> Any:
     import importlib
 
     from asyncrl.config import EngineConfig, from_dict
-    from workers.engines.base import build_engine
+    from workers.engines import build_engine
 
     cfg = from_dict(EngineConfig, config)
     if not engine_class:

@@ -36,8 +36,8 @@ def main(argv: list[str]) -> int:
     from asyncrl.check._chain import load_trainer_policy
     from asyncrl.check.logprobs import token_metrics
     from asyncrl.codec import dumps_json
-    from asyncrl.dump import read_dump
-    from asyncrl.parallel import parallelize
+    from asyncrl.debug.dump import read_dump
+    from asyncrl.train.parallel import parallelize
     from asyncrl.rollout import Group
 
     dist.init_process_group("gloo")

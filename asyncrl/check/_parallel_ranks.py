@@ -3,7 +3,7 @@
     python -m asyncrl.check._parallel_ranks SPEC.json       (under launch_ranks or torchrun: env:// rendezvous)
 
 Every rank builds the policy exactly as the single process did (:func:`asyncrl.check._policy.build_policy`),
-wraps it with the library's :func:`asyncrl.parallel.parallelize` (DDP or FSDP2), then:
+wraps it with the library's :func:`asyncrl.train.parallel.parallelize` (DDP or FSDP2), then:
 
 1. gathers every parameter and buffer (``full_tensor()``: collectives, in module order on every rank) and
    digests its bytes; rank 0 keeps the tensors whose digest differs from the single process's
@@ -34,11 +34,11 @@ def main(spec_path: str) -> None:
     import_all(spec["imports"])
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    import asyncrl.parallel  # looked up at call time: a --import module may wrap it
+    import asyncrl.train.parallel  # looked up at call time: a --import module may wrap it
 
     out = Path(spec["out"])
     policy = build_policy(spec["model"], dtype=spec["dtype"], lora_rank=spec["lora_rank"], seed=spec["seed"])
-    model = asyncrl.parallel.parallelize(policy, spec["parallel"], torch.device("cpu"))
+    model = asyncrl.train.parallel.parallelize(policy, spec["parallel"], torch.device("cpu"))
     expected: dict[str, str] = spec["digests"]
     digests, keep = {}, {}
     for name, t in full_tensors(model):
@@ -49,7 +49,7 @@ def main(spec_path: str) -> None:
         save_file(keep, str(out / "mismatch.safetensors"))
     batch = fixed_batch(**spec["batch"])
     reference = load_file(spec["logits"])["logits"]
-    from asyncrl.logprobs import position_ids
+    from asyncrl.train.logprobs import position_ids
 
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],

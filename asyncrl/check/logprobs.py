@@ -4,7 +4,7 @@
     publish v1 (the model directory) ─────────────────────► apply; generate K responses per prompt (the worker's call)
     compare (asyncrl.debug.align.compare): |dlogp|, k3, ratio tails, worst tokens in context
     topk: the engine's processed distribution over its top tokens  ◄── SamplingParams(logprobs=K) / HF's scores
-          vs the trainer's renormalised one at the same prefixes (asyncrl.logprobs.sampling_logprobs)
+          vs the trainer's renormalised one at the same prefixes (asyncrl.train.logprobs.sampling_logprobs)
     one AdamW step on the engine's rollouts, publish v2 ───► apply; generate again; compare + topk ("after step")
     Checkpointer.save → a fresh policy + Checkpointer.load → compare on v2's rollouts ("after resume")
     ranks: each rank count > 1 of --ranks launches that many trainer ranks (DDP/FSDP2 as --parallel), each
@@ -54,7 +54,7 @@ def topk_compare(model: torch.nn.Module, rows: list[dict[str, Any]], ctx: Any) -
         ``{"tokens": compared (position, token) pairs, "max_abs_diff", "mean_abs_diff", "support_differs": count,
         "worst": [{"row", "position", "token", "trainer_logprob", "engine_logprob", "abs_diff"}]}``.
     """
-    from asyncrl.logprobs import sampling_logprobs
+    from asyncrl.train.logprobs import sampling_logprobs
 
     diffs, worst, support = [], [], 0
     device = next(model.parameters()).device
@@ -134,13 +134,13 @@ class _NoLoader:
 
 
 def _resumed(chain: Chain, ctx: CheckContext) -> torch.nn.Module:
-    """The policy saved with :class:`~asyncrl.checkpoint.Checkpointer` (model + optimizer) and loaded into a fresh one."""
-    from asyncrl.checkpoint import Checkpointer
+    """The policy saved with :class:`~asyncrl.checkpoint.checkpointer.Checkpointer` (model + optimizer) and loaded into a fresh one."""
+    from asyncrl.checkpoint.checkpointer import Checkpointer
 
     root = chain.dir / f"checkpoints-v{chain.version}"
     base = None
     if ctx.qlora:  # as the recipe: adapter + its optimizer state, the 4-bit base named by hash
-        from asyncrl.qlora import base_reference
+        from asyncrl.models.qlora import base_reference
 
         base = base_reference(chain.policy, ctx.model)
     fresh = load_trainer_policy(ctx)
@@ -160,7 +160,7 @@ def _ranks(chain: Chain, ctx: CheckContext, groups: list[Any], nproc: int) -> li
 
     from asyncrl.check._ranks import launch_ranks
     from asyncrl.codec import loads_json
-    from asyncrl.dump import write_dump
+    from asyncrl.debug.dump import write_dump
 
     out = chain.dir / f"ranks-{nproc}"
     out.mkdir(exist_ok=True)

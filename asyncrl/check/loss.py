@@ -8,7 +8,7 @@
                     padding    the batch widened by padding columns, and its pad positions given other tokens:
                                the same loss and the same logprobs at the real tokens
                     positions  one row unpadded, right-padded and left-padded through the trainer's logprobs
-                               (asyncrl.logprobs.position_ids): positions 0.. at the real tokens, equal logprobs
+                               (asyncrl.train.logprobs.position_ids): positions 0.. at the real tokens, equal logprobs
                     step       batch_logprobs -> compute_loss (the recipe's GRPO loss) -> backward -> AdamW step:
                                loss finite, per-layer gradient norms finite, non-zero, under loss.grad_norm_max
 
@@ -123,8 +123,8 @@ def _padding_invariance(policy: torch.nn.Module, batch: dict[str, Any], sampling
                         pad: int) -> tuple[float, float]:
     """The batch widened by ``PADS`` padding columns (as a longer group would pad it), then its pad positions given
     other tokens: ``(max |loss - original loss|, max |d logprob| at real tokens)`` over both."""
-    from asyncrl.logprobs import token_logprobs
-    from asyncrl.losses import compute_loss
+    from asyncrl.train.logprobs import token_logprobs
+    from asyncrl.train.losses import compute_loss
 
     fill = {"input_ids": pad, "attention_mask": False, "loss_mask": False, "rollout_logprobs": 0.0, "token_versions": -1}
     wide = {**batch, **{k: torch.cat([batch[k], torch.full((batch[k].shape[0], PADS), v, dtype=batch[k].dtype)], 1)
@@ -147,7 +147,7 @@ def _padding_invariance(policy: torch.nn.Module, batch: dict[str, Any], sampling
 def _positions(policy: torch.nn.Module, batch: dict[str, Any], sampling: dict[str, Any], pad: int,
                limit: float) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """One row (the longest, the shortest) unpadded, right- and left-padded through the trainer's logprobs."""
-    import asyncrl.logprobs as lp
+    import asyncrl.train.logprobs as lp
 
     lengths = batch["attention_mask"].sum(-1)
     rows = sorted({int(lengths.argmax()), int(lengths.argmin())})
@@ -193,8 +193,8 @@ def _layer(name: str) -> str:
 def _step(policy: torch.nn.Module, batch: dict[str, Any], sampling: dict[str, Any], config: Any,
           grad_limit: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The recipe's GRPO step on the batch: loss, per-layer gradient norms, then an AdamW step."""
-    from asyncrl.logprobs import batch_logprobs
-    from asyncrl.losses import compute_loss
+    from asyncrl.train.logprobs import batch_logprobs
+    from asyncrl.train.losses import compute_loss
 
     params = {n: p for n, p in policy.named_parameters() if p.requires_grad}
     optimizer = torch.optim.AdamW(params.values(), lr=LR)
@@ -249,7 +249,7 @@ def run(ctx: CheckContext) -> StageResult:
     from transformers import AutoTokenizer
 
     from asyncrl.config import LossConfig
-    from asyncrl.losses import mismatch_metrics
+    from asyncrl.train.losses import mismatch_metrics
     from datapipes.collate import collate_groups
 
     t0 = time.perf_counter()
@@ -273,7 +273,7 @@ def run(ctx: CheckContext) -> StageResult:
     found, worst = _positions(policy, batch, sampling, pad, pad_limit)
     offenders += found
     with torch.no_grad():
-        from asyncrl.logprobs import batch_logprobs
+        from asyncrl.train.logprobs import batch_logprobs
 
         mismatch = mismatch_metrics(batch_logprobs(policy, batch, expected=sampling), batch["rollout_logprobs"],
                                     batch["loss_mask"])

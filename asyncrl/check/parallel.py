@@ -2,7 +2,7 @@
 
     check process:  build_policy (one process) ── digests of every parameter and buffer, logits on a fixed batch
                     for N in ctx.ranks:  launch_ranks(_parallel_ranks, N)
-                        rank r:  build_policy, asyncrl.parallel.parallelize(ctx.parallel)
+                        rank r:  build_policy, asyncrl.train.parallel.parallelize(ctx.parallel)
                                  full_tensor() of each parameter ── digest ── rank0.json, rank1.json, ...
                                  forward on the same batch ── max |d| vs one process, vs rank 0
                     compare:  a digest that differs names the tensor (max |d|, the first differing row and the
@@ -43,7 +43,7 @@ def _reference(ctx: CheckContext, work: Path) -> tuple[dict[str, str], dict[str,
     """One process: the digests of every tensor and the logits of the fixed batch (written for the ranks)."""
     from safetensors.torch import save_file
 
-    from asyncrl.logprobs import position_ids
+    from asyncrl.train.logprobs import position_ids
 
     policy = build_policy(ctx.model, dtype=ctx.dtype, lora_rank=ctx.lora_rank, seed=ctx.seed)
     digests = {name: digest(t) for name, t in full_tensors(policy)}

@@ -111,7 +111,7 @@ def parse_context(argv: list[str]) -> tuple[CheckContext, list[str], str | None]
         parser.error("--qlora: this asyncrl has no QLoRA support yet (lora.qlora, issue 15); check the adapter "
                      "over a full-precision base with --lora RANK instead")
     if a.qlora:
-        from asyncrl.qlora import FSDP2_REFUSAL, VLLM_REFUSAL
+        from asyncrl.models.qlora import FSDP2_REFUSAL, VLLM_REFUSAL
 
         if engine == "vllm":
             parser.error(f"--qlora with --engine {a.engine}: {VLLM_REFUSAL}")

@@ -1,4 +1,4 @@
-"""The ``data`` section: where the prompts come from and how they become token ids (``asyncrl.data``).
+"""The ``data`` section: where the prompts come from and how they become token ids (``asyncrl.data.prompts``).
 
 Plain data: nothing here blocks or starts anything.
 """
@@ -13,13 +13,13 @@ __all__ = ["DataConfig"]
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
-    """Where the prompts come from and how they become token ids (``asyncrl.data``)."""
+    """Where the prompts come from and how they become token ids (``asyncrl.data.prompts``)."""
 
     source: Literal["arithmetic", "datasets", "reasoning_gym", "visual_count", "visual_colour"] = "arithmetic"
-    """``arithmetic``: the embedded task (``workers.tasks``, text prompts with an ``answer``); ``datasets``: a
+    """``arithmetic``: the embedded task (``asyncrl.data.tasks``, text prompts with an ``answer``); ``datasets``: a
     file, directory or hub dataset loaded with ``datasets.load_dataset`` (``path``); ``reasoning_gym``: a
     procedural task of reasoning-gym (``task``), rows ``question`` (the prompt), ``answer``, ``metadata``;
-    ``visual_count``: "how many red squares?" over a Pillow image (:mod:`workers.visual_task`), for a
+    ``visual_count``: "how many red squares?" over a Pillow image (:mod:`asyncrl.data.visual_task`), for a
     vision-language model; ``visual_colour``: "what colour is the square?" (red, green, blue, yellow), the easier
     visual task the tiny VLM learns on CPU. A row of any source may carry ``images`` (encoded bytes or paths)
     referenced by ``{"type": "image"}`` parts of its chat ``messages``: rendered with the model's processor."""

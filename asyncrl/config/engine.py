@@ -103,7 +103,7 @@ class ModelEngineConfig(EngineConfig):
     """What the engines with real weights (``hf``, ``vllm``) share: the model and how responses stop."""
 
     model: str | None = None
-    """HF model directory; see ``workers.tiny_model.build_tiny_model``."""
+    """HF model directory; see ``asyncrl.testing.tiny_model.build_tiny_model``."""
     dtype: str = "float32"
     """Model dtype: float32, bfloat16 or float16 (the recipe sets it from ``model.dtype``)."""
     stop_token_ids: list[int] = field(default_factory=list)
@@ -133,7 +133,7 @@ class HFEngineConfig(ModelEngineConfig):
     """Seed each prompt's samples from (seed, epoch, prompt_index, policy_version) and generate prompt by prompt,
     so a group's tokens do not depend on batching or worker (reproducible runs; slower)."""
     quantization: Literal["none", "nf4"] = "none"
-    """``nf4`` loads the base in 4-bit NF4 through :func:`asyncrl.qlora.load_quantized_base`, the trainer's QLoRA
+    """``nf4`` loads the base in 4-bit NF4 through :func:`asyncrl.models.qlora.load_quantized_base`, the trainer's QLoRA
     base (the recipe sets it from ``lora.qlora``); such an engine takes ``lora`` updates only."""
     compile: bool = False
     """Static batches (the lean decode loop, :mod:`workers.engines._hf_decode`; not the streaming scheduler): each

@@ -19,7 +19,7 @@ __all__ = ["GateConfig", "LoaderConfig"]
 
 @dataclass(kw_only=True, slots=True)
 class GateConfig:
-    """What the pool's gate admits from workers, beyond the wire format (``asyncrl.gate``)."""
+    """What the pool's gate admits from workers, beyond the wire format (``asyncrl.pool.gate``)."""
 
     max_abs_reward: float = 1e6
     """Largest ``|reward|`` (and reward component) accepted; rewards must also be finite in float32, the
@@ -112,7 +112,7 @@ class LoaderConfig:
     """Raise if no group arrives for this long (None = wait forever, e.g. for remote workers)."""
     transport: TransportConfig = field(default_factory=TransportConfig)
     gate: GateConfig = field(default_factory=GateConfig)
-    """What the pool admits from workers: value ranges, per-peer caps (``asyncrl.gate``)."""
+    """What the pool admits from workers: value ranges, per-peer caps (``asyncrl.pool.gate``)."""
     worker: WorkerConfig = field(default_factory=WorkerConfig)
 
     def __post_init__(self):

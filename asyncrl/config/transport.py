@@ -49,7 +49,7 @@ class TransportConfig:
     allow-list names). None: ``curve_client_key_file``, else a throw-away key pair (refused by an allow-list)."""
     curve_client_key_file: str | None = None
     """Worker side: a file holding this worker's Z85 secret key (first non-comment line), as written by
-    ``asyncrl.transport.zmq_transport.write_curve_key_file``."""
+    ``asyncrl.transport.zmq.write_curve_key_file``."""
 
     def __post_init__(self):
         if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):

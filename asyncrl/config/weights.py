@@ -18,9 +18,9 @@ class WeightSyncConfig:
     type: Literal["none", "zmq", "shm", "nccl", "cuda_ipc"] = "none"
     """``none``: no weight sync (the fake engine follows the pool's version); ``zmq``: across machines;
     ``shm``: shared memory, same machine; ``nccl``: a process group of the weight channel's own
-    (:mod:`asyncrl.weights.nccl_weights`: NCCL with CUDA buckets, gloo with CPU buckets; the address is
+    (:mod:`asyncrl.weights.nccl`: NCCL with CUDA buckets, gloo with CPU buckets; the address is
     the broadcaster's control endpoint, bound like ``bind``); ``cuda_ipc``: GPU receivers on the trainer's node
-    (:mod:`asyncrl.weights.cuda_ipc_weights`: two persistent GPU slots opened once by each receiver; the address
+    (:mod:`asyncrl.weights.cuda_ipc`: two persistent GPU slots opened once by each receiver; the address
     is the broadcaster's ``ipc://`` control endpoint; CUDA only)."""
     address: str | None = None
     """Worker side: the broadcaster's address (endpoint for zmq, directory for shm)."""

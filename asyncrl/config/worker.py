@@ -21,7 +21,7 @@ __all__ = ["RewardConfig", "WorkerConfig"]
 
 @dataclass(kw_only=True, slots=True)
 class RewardConfig:
-    """Reward functions and their weights (TRL's ``reward_funcs`` / ``reward_weights``; ``asyncrl.rewards``)."""
+    """Reward functions and their weights (TRL's ``reward_funcs`` / ``reward_weights``; ``asyncrl.rewards.reward_set``)."""
 
     funcs: list[str] = field(default_factory=lambda: ["fake"])
     """Built-in names (``math``, ``format``, ``reasoning_gym``, ``arithmetic``, ``visual``, ``fake``) or ``module:function``,

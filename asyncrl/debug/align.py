@@ -4,7 +4,7 @@ Same prompts, same responses, same weights: the rollout engine (``hf`` or ``vllm
 worker builds it) samples ``K`` responses to each of ``N`` prompts and reports the logprob of every
 sampled token; the trainer side loads the model directory (and the recipe's DCP checkpoint), collates
 the rollouts exactly like training (``Rollout``/``Group`` -> ``collate_groups``) and recomputes those
-logprobs with :func:`asyncrl.logprobs.token_logprobs` under the same temperature/top-k/top-p. What is
+logprobs with :func:`asyncrl.train.logprobs.token_logprobs` under the same temperature/top-k/top-p. What is
 compared is ``d = trainer - rollout`` at every ``loss_mask`` position (the generated tokens)::
 
     asyncrl align --model runs/grpo/model --engine vllm --checkpoint runs/grpo/checkpoints/step-000040
@@ -85,10 +85,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=("hf", "vllm"), default="hf")
     p.add_argument("--checkpoint", help="recipe DCP checkpoint for the trainer side (and the engine by default)")
     p.add_argument("--engine-checkpoint", help="DCP checkpoint for the engine; 'none' = the model dir's weights")
-    p.add_argument("--prompts", type=int, default=16, help="N arithmetic prompts (workers.tasks)")
+    p.add_argument("--prompts", type=int, default=16, help="N arithmetic prompts (asyncrl.data.tasks)")
     p.add_argument("--prompts-file", help='JSONL of {"text": ...} (or {"prompt_ids": [...]}, or {"messages": [...], '
                    '"images": [paths]} for a vision-language model) lines instead')
-    p.add_argument("--images", action="store_true", help="N image prompts of the visual task (workers.visual_task) "
+    p.add_argument("--images", action="store_true", help="N image prompts of the visual task (asyncrl.data.visual_task) "
                    "instead of arithmetic: --model must be a vision-language model")
     p.add_argument("--samples", type=int, default=4, help="K responses per prompt")
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -109,11 +109,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def _read_prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[Any]:
     from asyncrl.codec import loads_json
-    from workers.tasks import arithmetic_prompts
+    from asyncrl.data.tasks import arithmetic_prompts
 
     if args.images and not args.prompts_file:  # rendered by the model's processor, images as PNG bytes
         from asyncrl.config import DataConfig
-        from asyncrl.data import load_prompts
+        from asyncrl.data.prompts import load_prompts
 
         return list(load_prompts(DataConfig(source="visual_count", num_prompts=args.prompts, seed=args.seed),
                                  args.model))
@@ -127,7 +127,7 @@ def _read_prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                      "'messages' + 'images' per line")
     if any(p.get("images") for p in prompts):
         from asyncrl.config import DataConfig
-        from asyncrl.data import load_prompts
+        from asyncrl.data.prompts import load_prompts
 
         return list(load_prompts(DataConfig(source="datasets", path=args.prompts_file), args.model))
     return prompts
@@ -139,16 +139,16 @@ def load_policy(model_dir: str, checkpoint: str | None, dtype: torch.dtype) -> t
     A checkpoint with LoRA adapter keys is loaded into a peft-wrapped model configured from the
     ``lora`` section of the checkpoint's ``config.json`` (which the recipe writes next to it). A QLoRA checkpoint
     (its ``base.json`` names the base by hash) holds only the adapter: the base is ``model_dir`` loaded in 4-bit
-    as the trainer loaded it (:func:`asyncrl.qlora.load_quantized_base`), refused if its hash differs.
+    as the trainer loaded it (:func:`asyncrl.models.qlora.load_quantized_base`), refused if its hash differs.
     """
     import torch.distributed.checkpoint as dcp
 
-    from asyncrl.checkpoint import BASE, check_base
-    from workers.engines._multimodal import load_causal_lm
+    from asyncrl.checkpoint.checkpointer import BASE, check_base
+    from asyncrl.models.loading import load_causal_lm
 
     qlora = bool(checkpoint) and (Path(checkpoint) / BASE).exists()
     if qlora:
-        from asyncrl.qlora import base_reference, load_quantized_base
+        from asyncrl.models.qlora import base_reference, load_quantized_base
 
         model = load_quantized_base(model_dir, dtype=str(dtype).removeprefix("torch."))
         check_base(Path(checkpoint), base_reference(model, model_dir))
@@ -191,8 +191,8 @@ def _weight_update(model: torch.nn.Module) -> Any:
 def _generate(args: argparse.Namespace, prompts: list[Any], tokenizer: Any, model: torch.nn.Module) -> list[Any]:
     """Rank 0: K samples per prompt from the engine, loaded with the engine checkpoint, as groups."""
     from asyncrl.config import EngineConfig, from_dict
-    from asyncrl.qlora import is_quantized
-    from workers.engines.base import GenerationRequest, build_engine, prompt_token_ids
+    from asyncrl.models.qlora import is_quantized
+    from workers.engines import GenerationRequest, build_engine, prompt_token_ids
 
     ckpt = args.checkpoint if args.engine_checkpoint is None else args.engine_checkpoint
     update = None
@@ -223,7 +223,7 @@ def groups_from_completions(completions: list[list[Any]], *, worker_id: str,
     """An engine's ``generate`` output (one list of completions per request, request ``i`` = prompt ``i``) as the
     :class:`~asyncrl.rollout.Group` s a worker would send (``asyncrl check``'s logprobs stage shares it); with the
     ``prompts``, image prompts' rollouts carry their images as a worker's do."""
-    from asyncrl.images import prompt_images
+    from asyncrl.data.images import prompt_images
     from asyncrl.rollout import Group, Rollout
 
     images = [prompt_images(p) for p in prompts] if prompts is not None else [[] for _ in completions]
@@ -242,7 +242,7 @@ def _generate_in_child(argv: list[str]) -> list[Any]:
     """Rank 0 under torchrun: the engine runs in a child process without the torchrun environment, so
     that vLLM's own ``torch.distributed`` set-up cannot join (and hang in) the trainer ranks' group;
     the groups come back as a codec dump file."""
-    from asyncrl.dump import read_dump
+    from asyncrl.debug.dump import read_dump
     from asyncrl.rollout import Group
 
     env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
@@ -297,8 +297,8 @@ def compare(model: torch.nn.Module, groups: list[Any], *, temperature: float, to
         ``(metrics, worst_tokens)``: metrics named as ``_METRICS``; ``worst_tokens`` float64
         ``[worst, 5]`` rows of ``_WORST`` (rows of the collated batch, in group order), NaN-padded.
     """
-    from asyncrl.images import processor_inputs, vision_token_ids
-    from asyncrl.logprobs import token_logprobs
+    from asyncrl.data.images import processor_inputs, vision_token_ids
+    from asyncrl.train.logprobs import token_logprobs
     from datapipes.collate import collate_groups
 
     per_forward = max(1, _ROWS_PER_FORWARD // max(len(g.rollouts) for g in groups))
@@ -341,7 +341,7 @@ def _topk_ties(model: torch.nn.Module, batch: dict[str, Any], images: dict[str, 
                temperature: float, top_k: int, suppress_token_ids: Any) -> torch.Tensor:
     """``[B, L]`` bool: token ``t``'s distribution (the logits at ``t - 1``) has a top-k boundary tie (:data:`TIE_TOL`);
     all False without top-k (or ``top_k >= V``). One extra no-grad forward of the batch."""
-    from asyncrl.logprobs import position_ids
+    from asyncrl.train.logprobs import position_ids
 
     ids, attn = batch["input_ids"], batch["attention_mask"]
     if top_k <= 0:
@@ -430,7 +430,7 @@ def main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
     from asyncrl.codec import dumps_json
-    from asyncrl.dump import write_dump
+    from asyncrl.debug.dump import write_dump
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:  # ranks > 0 wait for rank 0's generation in a broadcast: allow it an hour
@@ -455,7 +455,7 @@ def main(argv: list[str]) -> int:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(rank)).to(p.dtype) * 1e-3)
-    from workers.engines._multimodal import load_processor
+    from asyncrl.models.loading import load_processor
 
     metrics, top = compare(model, groups, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                            worst=args.worst, processor=load_processor(args.model))

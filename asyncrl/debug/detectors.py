@@ -3,7 +3,7 @@
 :class:`Debugger` is what a training loop holds: once per step, after its update, the loop calls
 :meth:`Debugger.observe`; it builds the step record (:mod:`asyncrl.debug.record`), runs the
 detectors on it, and if any fires writes the batch with its full provenance to
-``{run_dir}/dumps/step-{step:06d}-rank{r}.msgpack`` (``asyncrl.dump`` format, kind ``anomaly_batch``)
+``{run_dir}/dumps/step-{step:06d}-rank{r}.msgpack`` (``asyncrl.debug.dump`` format, kind ``anomaly_batch``)
 and one line per anomaly to ``{run_dir}/debug/anomalies.jsonl``. Detectors only observe: they never
 change the update (the update guard does that, and its rejections are one of the detectors).
 
@@ -47,7 +47,7 @@ import torch
 
 from asyncrl.config.debug import DebugConfig
 from asyncrl.debug.record import StepRecorder, step_record
-from asyncrl.dump import write_dump
+from asyncrl.debug.dump import write_dump
 from asyncrl.weights.verify import weight_mismatches
 
 __all__ = ["Anomaly", "AnomalyDetectors", "Debugger", "weights_checksum"]

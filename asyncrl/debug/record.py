@@ -135,7 +135,7 @@ def step_record(
     }
     if gen_s is not None:
         dist["generate_s"] = summarize(gen_s.float())
-    for name, values in batch.get("reward_components", {}).items():  # per reward function (asyncrl.rewards)
+    for name, values in batch.get("reward_components", {}).items():  # per reward function (asyncrl.rewards.reward_set)
         dist[f"reward/{name}"] = summarize(values[~values.isnan()])  # NaN: the function did not score that row
     return {
         "step": step,

@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from asyncrl.checkpoint import MODEL as CHECKPOINT_MODEL
-from asyncrl.dump import write_dump
-from asyncrl.guard import GuardVerdict
-from asyncrl.logprobs import token_logprobs
-from asyncrl.losses import compute_loss
-from asyncrl.reference import ReferencePolicy
+from asyncrl.checkpoint.checkpointer import MODEL as CHECKPOINT_MODEL
+from asyncrl.debug.dump import write_dump
+from asyncrl.train.guard import GuardVerdict
+from asyncrl.train.logprobs import token_logprobs
+from asyncrl.train.losses import compute_loss
+from asyncrl.train.reference import ReferencePolicy
 
 __all__ = ["replay_rejection", "write_rejected_batch"]
 
@@ -44,7 +44,7 @@ def write_rejected_batch(run_dir: str | os.PathLike, *, step: int, rank: int, po
         "uids": batch["uids"],
         "group_ids": batch["group_ids"],
         "finish_reasons": batch["finish_reasons"],
-        "reward_components": batch.get("reward_components", {}),  # per reward function (asyncrl.rewards)
+        "reward_components": batch.get("reward_components", {}),  # per reward function (asyncrl.rewards.reward_set)
     **{k: batch[k] for k in ("images", "image_sha256") if k in batch},  # image prompts: bytes + hashes
     }
     path = write_dump(Path(run_dir) / "dumps" / f"step-{step:06d}-rank{rank}.msgpack", "rejected_batch", body)
@@ -61,7 +61,7 @@ def replay_rejection(dump_path: str | os.PathLike, checkpoint: str | os.PathLike
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.dump import read_dump
+    from asyncrl.debug.dump import read_dump
 
     kind, body = read_dump(dump_path)
     if kind not in ("rejected_batch", "anomaly_batch"):

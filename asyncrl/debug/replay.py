@@ -40,8 +40,8 @@ from typing import Any
 import orjson
 import torch
 
-from asyncrl.dump import read_dump
-from asyncrl.logprobs import token_logprobs
+from asyncrl.debug.dump import read_dump
+from asyncrl.train.logprobs import token_logprobs
 
 __all__ = ["main", "replay"]
 
@@ -63,8 +63,8 @@ class _Weights:
             model = load_policy(self.model_dir, str(checkpoint), torch.float32)
             images, suppress = None, []
             if self.images and any(self.images):
-                from asyncrl.images import processor_inputs, vision_token_ids
-                from workers.engines._multimodal import load_processor
+                from asyncrl.data.images import processor_inputs, vision_token_ids
+                from asyncrl.models.loading import load_processor
 
                 processor = load_processor(self.model_dir)
                 images, suppress = processor_inputs(processor, self.images), vision_token_ids(processor)

@@ -1,22 +1,20 @@
 """The two ends of the rollout channel, one abstract base per direction.
 
-``RolloutReceiver`` runs on the trainer side next to a :class:`~asyncrl.pool.RolloutPool`: it accepts
+``RolloutReceiver`` runs on the trainer side next to a :class:`~asyncrl.pool.buffer.RolloutPool`: it accepts
 workers, grants them leases against the pool's capacity (credit-based flow control), receives their
 groups and re-issues the leases of workers that die. ``RolloutSender`` runs in a worker process: it
 handshakes with one or more pools, queues the leases they grant and sends finished groups back on
 the connection each lease came from. One backend file implements both ends of its wire protocol
-(``zmq_transport.py``); :func:`setup_rollout_receiver` / :func:`setup_rollout_sender` pick it.
+(``zmq.py``); :func:`asyncrl.transport.setup_rollout_receiver` / :func:`~asyncrl.transport.setup_rollout_sender` pick
+it.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.config import GateConfig, TransportConfig
-from asyncrl.pool import RolloutPool
 from asyncrl.rollout import Group
 
 __all__ = [
@@ -25,8 +23,6 @@ __all__ = [
     "ReceivedLease",
     "RolloutReceiver",
     "RolloutSender",
-    "setup_rollout_receiver",
-    "setup_rollout_sender",
 ]
 
 
@@ -52,7 +48,7 @@ class ReceivedLease:
     policy_version: int
     """The trainer's policy version when the lease was granted."""
     incarnation: str = ""
-    """The trainer incarnation that granted it (:mod:`asyncrl.timeline`): generate with its weights."""
+    """The trainer incarnation that granted it (:mod:`asyncrl.pool.timeline`): generate with its weights."""
 
 
 class RolloutReceiver(abc.ABC):
@@ -119,33 +115,3 @@ class RolloutSender(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None: ...
-
-
-def setup_rollout_receiver(
-    config: TransportConfig,
-    pool: RolloutPool,
-    prompt_fn: Callable[[int], Any],
-    *,
-    rank: int = 0,
-    world_size: int = 1,
-    gate: GateConfig | None = None,
-) -> RolloutReceiver:
-    """The receiver for ``config``; ``gate`` is what it admits from workers (ranges, per-peer caps)."""
-    from asyncrl.transport.zmq_transport import ZmqRolloutReceiver
-
-    return ZmqRolloutReceiver(config, pool, prompt_fn, rank=rank, world_size=world_size, gate=gate)
-
-
-def setup_rollout_sender(
-    config: TransportConfig,
-    endpoints: Sequence[str],
-    *,
-    worker_id: str,
-    slots: int,
-    server_key: str | None = None,
-    streaming: bool = False,
-) -> RolloutSender:
-    from asyncrl.transport.zmq_transport import ZmqRolloutSender
-
-    return ZmqRolloutSender(config, endpoints, worker_id=worker_id, slots=slots, server_key=server_key,
-                            streaming=streaming)

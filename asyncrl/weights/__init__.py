@@ -1,9 +1,9 @@
 """Weight sync: broadcaster (trainer) and receiver (worker) ends; see ``base.py``.
 
-Backends: ``zmq`` (:mod:`asyncrl.weights.zmq_weights`, any machine a socket reaches), ``shm``
-(:mod:`asyncrl.weights.shm_weights`, receivers on the broadcaster's machine), ``nccl``
-(:mod:`asyncrl.weights.nccl_weights`, a process group of the channel's own: NCCL on GPUs, gloo on CPUs) and
-``cuda_ipc`` (:mod:`asyncrl.weights.cuda_ipc_weights`, GPU receivers on the trainer's node). Pick one with
+Backends: ``zmq`` (:mod:`asyncrl.weights.zmq`, any machine a socket reaches), ``shm``
+(:mod:`asyncrl.weights.shm`, receivers on the broadcaster's machine), ``nccl``
+(:mod:`asyncrl.weights.nccl`, a process group of the channel's own: NCCL on GPUs, gloo on CPUs) and
+``cuda_ipc`` (:mod:`asyncrl.weights.cuda_ipc`, GPU receivers on the trainer's node). Pick one with
 :func:`setup_weight_broadcaster` / :func:`setup_weight_receiver`.
 """
 
@@ -21,10 +21,10 @@ from asyncrl.weights.base import (
     bucket_checksum,
     plan_buckets,
 )
-from asyncrl.weights.cuda_ipc_weights import CudaIpcWeightBroadcaster, CudaIpcWeightReceiver
-from asyncrl.weights.nccl_weights import NcclWeightBroadcaster, NcclWeightReceiver
-from asyncrl.weights.shm_weights import ShmWeightBroadcaster, ShmWeightReceiver
-from asyncrl.weights.zmq_weights import ZmqWeightBroadcaster, ZmqWeightReceiver
+from asyncrl.weights.cuda_ipc import CudaIpcWeightBroadcaster, CudaIpcWeightReceiver
+from asyncrl.weights.nccl import NcclWeightBroadcaster, NcclWeightReceiver
+from asyncrl.weights.shm import ShmWeightBroadcaster, ShmWeightReceiver
+from asyncrl.weights.zmq import ZmqWeightBroadcaster, ZmqWeightReceiver
 
 __all__ = [
     "Bucket",

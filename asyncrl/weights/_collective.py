@@ -1,4 +1,4 @@
-"""Private machinery of the collective weight backend (:mod:`asyncrl.weights.nccl_weights`).
+"""Private machinery of the collective weight backend (:mod:`asyncrl.weights.nccl`).
 
 * :class:`RendezvousStore`: a ``torch.distributed.Store`` whose keys live in the broadcaster's process
   and travel over the weight channel's own ZeroMQ socket (loopback, or CURVE beyond it). A

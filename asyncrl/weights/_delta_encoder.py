@@ -22,7 +22,7 @@ import logging
 import threading
 from collections.abc import Callable, Hashable
 
-from asyncrl.transport._zmq_util import IOThread
+from asyncrl._zmq.io import IOThread
 
 __all__ = ["DeltaEncoder"]
 

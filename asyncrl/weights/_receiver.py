@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from asyncrl.transport._zmq_util import IOThread
+from asyncrl._zmq.io import IOThread
 from asyncrl.weights._staging import StagingArea, check_receiver_id
 from asyncrl.weights.base import WeightReceiver, WeightUpdate
 

@@ -58,7 +58,7 @@ class WeightUpdate:
     """``lora`` mode: the peft ``LoraConfig`` as a dict (``to_dict()``)."""
     metadata: dict[str, Any] = field(default_factory=dict)
     incarnation: str = ""
-    """The trainer incarnation that published it (:mod:`asyncrl.timeline`): a new incarnation's weights
+    """The trainer incarnation that published it (:mod:`asyncrl.pool.timeline`): a new incarnation's weights
     replace the committed ones whatever their version (a resumed run reuses version numbers)."""
 
     @property

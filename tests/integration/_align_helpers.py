@@ -15,8 +15,8 @@ def make_checkpoints(root: Path) -> dict[str, Path]:
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from workers.tasks import arithmetic_prompts
-    from workers.tiny_model import build_tiny_model
+    from asyncrl.data.tasks import arithmetic_prompts
+    from asyncrl.testing.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(root / "model", seed=0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from asyncrl.checkpoint import MODEL, Checkpointer
+from asyncrl.checkpoint.checkpointer import MODEL, Checkpointer
 
 
 def _model_only(self, path):

@@ -1,5 +1,5 @@
 """Fault for tests/integration/test_check_stages.py, imported by every rank with ``CheckContext.imports``:
-FSDP2 places one shard at another rank's offset. After :func:`asyncrl.parallel.parallelize`, rank 1's local
+FSDP2 places one shard at another rank's offset. After :func:`asyncrl.train.parallel.parallelize`, rank 1's local
 shard of ``model.layers.0.self_attn.q_proj.weight`` holds the rows of rank 0's shard (dim-0 offset 0 instead of
 its own), as a sharding that computes offsets wrongly would leave it. The ``parallel`` stage must name it."""
 
@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-import asyncrl.parallel
+import asyncrl.train.parallel
 
 PARAMETER = "model.layers.0.self_attn.q_proj.weight"
-_real = asyncrl.parallel.parallelize
+_real = asyncrl.train.parallel.parallelize
 
 
 def _misplaced(policy, parallel, device):
@@ -25,4 +25,4 @@ def _misplaced(policy, parallel, device):
     return model
 
 
-asyncrl.parallel.parallelize = _misplaced
+asyncrl.train.parallel.parallelize = _misplaced

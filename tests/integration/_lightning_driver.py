@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from asyncrl import FakeEngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
-from asyncrl.lightning import RolloutSync
+from asyncrl.integrations.lightning import RolloutSync
 
 
 class Policy(pl.LightningModule):

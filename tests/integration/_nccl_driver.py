@@ -20,7 +20,7 @@ import zlib
 
 from asyncrl.weights import _collective
 from asyncrl.weights._staging import tensor_bytes
-from asyncrl.weights.nccl_weights import NcclWeightReceiver
+from asyncrl.weights.nccl import NcclWeightReceiver
 
 
 def emit(**event) -> None:

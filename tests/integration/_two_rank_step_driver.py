@@ -3,7 +3,7 @@
 Each rank (1) loads the KL's reference with ``parallel="fsdp2"`` through ``ReferencePolicy.for_run``, as the recipe
 does, and an unsharded copy next to it, and compares their logprobs on its own half of a batch bit for bit and what
 each holds; (2) computes the loss and mismatch metrics of its half of a fixed union batch (:func:`union_batch`) and
-combines them with :func:`asyncrl.step_metrics.global_metrics`, for three loss settings; (3) offers metrics named
+combines them with :func:`asyncrl.train.step_metrics.global_metrics`, for three loss settings; (3) offers metrics named
 differently from the other rank's and records the error. Each rank writes its report to ``rank{r}.json``.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 _two_rank_step_driver.py OUT_DIR
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.config import LossConfig
-from asyncrl.losses import all_reduce_sum, compute_loss, mismatch_metrics, policy_loss
+from asyncrl.train.losses import all_reduce_sum, compute_loss, mismatch_metrics, policy_loss
 
 ROWS, LENGTH, GROUP = 16, 12, 2
 CONFIGS = {
@@ -76,7 +76,7 @@ def step_metrics(batch: dict, name: str, all_reduce=None) -> dict[str, float]:
         _, loss_metrics, _ = compute_loss(batch, lp, config=config, trainer_version=6, ref_logprobs=ref,
                                           all_reduce=all_reduce)
     else:
-        from asyncrl.losses import compute_advantages
+        from asyncrl.train.losses import compute_advantages
 
         adv = compute_advantages(batch["rewards"], batch["group_index"], scale_rewards="group")
         _, loss_metrics = policy_loss(lp, batch["old_logprobs"], batch["rollout_logprobs"], adv, batch["loss_mask"],
@@ -88,8 +88,8 @@ def step_metrics(batch: dict, name: str, all_reduce=None) -> dict[str, float]:
 def reference_report(out: Path, rank: int) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from asyncrl.reference import ReferencePolicy
-    from workers.tiny_model import build_tiny_model
+    from asyncrl.train.reference import ReferencePolicy
+    from asyncrl.testing.tiny_model import build_tiny_model
 
     model_dir = out / "model"
     if rank == 0:
@@ -117,7 +117,7 @@ def reference_report(out: Path, rank: int) -> dict:
 
 
 def main(out_dir: str) -> None:
-    from asyncrl.step_metrics import global_metrics
+    from asyncrl.train.step_metrics import global_metrics
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

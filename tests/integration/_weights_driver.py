@@ -22,8 +22,8 @@ import zlib
 
 import torch
 
-import asyncrl.weights.shm_weights as shm_weights
-import asyncrl.weights.zmq_weights as zmq_weights
+import asyncrl.weights.shm as shm_weights
+import asyncrl.weights.zmq as zmq_weights
 from asyncrl.weights import setup_weight_receiver
 from asyncrl.weights._staging import tensor_bytes
 

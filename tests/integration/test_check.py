@@ -34,7 +34,7 @@ MINE = ("structure", "weight_sync", "logprobs")
 def models(tmp_path_factory) -> dict[str, Path]:
     """The character-level tiny model and its MHA + tied-embeddings edit (q and k of one shape; lm_head tied)."""
     from tests.integration._check_faults import mha_tied_model
-    from workers.tiny_model import build_tiny_model
+    from asyncrl.testing.tiny_model import build_tiny_model
 
     root = tmp_path_factory.mktemp("check")
     tiny = build_tiny_model(root / "tiny", seed=0)

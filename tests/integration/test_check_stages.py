@@ -4,8 +4,8 @@ stage, naming the thing: an FSDP2 shard at another rank's offset (``parallel``),
 state (``checkpoint``), positions shifted by one for left-padded rows (``loss``).
 
 Faults come in through ``CheckContext.imports`` (modules every check process imports first), each monkeypatching
-one library function every rank calls: ``_fault_shard_offset`` (``asyncrl.parallel.parallelize``),
-``_fault_drop_optimizer`` (``Checkpointer.load_model``), ``_fault_left_positions`` (``asyncrl.logprobs.position_ids``).
+one library function every rank calls: ``_fault_shard_offset`` (``asyncrl.train.parallel.parallelize``),
+``_fault_drop_optimizer`` (``Checkpointer.load_model``), ``_fault_left_positions`` (``asyncrl.train.logprobs.position_ids``).
 Rank launches cost an interpreter start each, so the matrix is split: the common cases here, the rest extended.
 """
 
@@ -26,20 +26,20 @@ def _undo_fault_patches():
     monkeypatch would outlive its test and break every later test of the library function it replaces (in CI it
     failed the Checkpointer and QLoRA checkpoint tests that ran after this file): put the functions back and
     forget the fault modules after each test."""
-    import asyncrl.logprobs
-    import asyncrl.parallel
-    from asyncrl.checkpoint import Checkpointer
+    import asyncrl.train.logprobs
+    import asyncrl.train.parallel
+    from asyncrl.checkpoint.checkpointer import Checkpointer
 
-    saved = (Checkpointer.load_model, asyncrl.logprobs.position_ids, asyncrl.parallel.parallelize)
+    saved = (Checkpointer.load_model, asyncrl.train.logprobs.position_ids, asyncrl.train.parallel.parallelize)
     yield
-    Checkpointer.load_model, asyncrl.logprobs.position_ids, asyncrl.parallel.parallelize = saved
+    Checkpointer.load_model, asyncrl.train.logprobs.position_ids, asyncrl.train.parallel.parallelize = saved
     for name in [m for m in sys.modules if m.startswith("tests.integration._fault_")]:
         del sys.modules[name]
 
 
 @pytest.fixture(scope="module")
 def char_model(tmp_path_factory) -> str:
-    from workers.tiny_model import build_tiny_model
+    from asyncrl.testing.tiny_model import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny-char") / "model"))
 

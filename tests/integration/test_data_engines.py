@@ -12,9 +12,9 @@ import pytest
 
 from asyncrl.config import HFEngineConfig, VllmEngineConfig
 from asyncrl.config import DataConfig
-from asyncrl.data import load_prompts
+from asyncrl.data.prompts import load_prompts
 from tests.engine_utils import SAMPLING, TOL, collate, load_model, max_logprob_diff
-from workers.engines.base import GenerationRequest, build_engine
+from workers.engines import GenerationRequest, build_engine
 
 pytestmark = [pytest.mark.integration]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import DataConfig
-from asyncrl.data import load_prompts
+from asyncrl.data.prompts import load_prompts
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -61,7 +61,7 @@ def _chat_rows(n: int) -> list[dict]:
 
 def _prompt_tokens_of_dumped_batch(run_dir: Path) -> list[tuple[int, list[int]]]:
     """``(prompt index, prompt tokens)`` of every row of the batches the guard dumped (step 1, NaN injected)."""
-    from asyncrl.dump import read_dump
+    from asyncrl.debug.dump import read_dump
 
     out = []
     for path in sorted((run_dir / "dumps").glob("step-000001-rank*.msgpack")):

@@ -45,7 +45,7 @@ def test_drop_in_killed_after_a_checkpoint_resumes_exactly_once(tmp_path):
 
 
 def test_a_second_drop_in_on_a_held_run_directory_is_refused(tmp_path):
-    from asyncrl.run_dir import RunDirLock
+    from asyncrl.checkpoint.run_dir import RunDirLock
 
     lock = RunDirLock(tmp_path / "run")
     lock.acquire()

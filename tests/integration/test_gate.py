@@ -15,11 +15,11 @@ import zmq
 
 from asyncrl import FakeEngineConfig, GateConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
 from asyncrl.codec import decode, encode
-from asyncrl.ledger import PromptLedger
-from asyncrl.pool import RolloutPool
+from asyncrl.pool.ledger import PromptLedger
+from asyncrl.pool.buffer import RolloutPool
 from asyncrl.rollout import Group, Rollout
 from asyncrl.transport import protocol as P
-from asyncrl.transport.zmq_transport import GREETED_PER_PEER, ZmqRolloutReceiver
+from asyncrl.transport.zmq import GREETED_PER_PEER, ZmqRolloutReceiver
 
 pytestmark = pytest.mark.integration
 

@@ -13,14 +13,14 @@ import torch
 
 from asyncrl.config import HFEngineConfig, VllmEngineConfig
 from asyncrl.config import DataConfig
-from asyncrl.data import load_prompts
-from asyncrl.images import image_provenance, processor_inputs
-from asyncrl.logprobs import batch_logprobs, token_logprobs
+from asyncrl.data.prompts import load_prompts
+from asyncrl.data.images import image_provenance, processor_inputs
+from asyncrl.train.logprobs import batch_logprobs, token_logprobs
 from asyncrl.rollout import Group, Rollout
 from datapipes.collate import collate_groups
 from workers.engines.base import GenerationRequest
-from workers.tiny_vlm import IMAGE_TOKEN
-from workers.visual_task import draw_squares
+from asyncrl.testing.tiny_vlm import IMAGE_TOKEN
+from asyncrl.data.visual_task import draw_squares
 
 pytestmark = pytest.mark.integration
 
@@ -84,7 +84,7 @@ def test_the_image_changes_the_logprobs(engine, prompts):
 
 
 def test_corrupted_image_in_a_lease_fails_that_prompt_only(engine, prompts):
-    from asyncrl.images import ImageError
+    from asyncrl.data.images import ImageError
 
     good = prompts[1]
     bad = {**prompts[2], "images": [prompts[2]["images"][0][:40]]}
@@ -113,7 +113,7 @@ def test_align_with_image_prompts_passes_per_token(tiny_vlm, tmp_path, capsys):
 
 
 def test_engines_never_sample_image_tokens(engine, prompts):
-    from asyncrl.images import vision_token_ids
+    from asyncrl.data.images import vision_token_ids
 
     banned = set(vision_token_ids(engine.processor))
     assert engine.processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN) in banned

@@ -25,7 +25,7 @@ import zmq
 
 from asyncrl.weights._staging import tensor_bytes
 from asyncrl.weights.base import WeightSyncError
-from asyncrl.weights.nccl_weights import NcclWeightBroadcaster, NcclWeightReceiver
+from asyncrl.weights.nccl import NcclWeightBroadcaster, NcclWeightReceiver
 from tests.integration.test_weights_processes import Driver, assert_eventually
 
 pytestmark = pytest.mark.integration

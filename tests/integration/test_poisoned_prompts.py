@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from asyncrl import FakeEngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
-from asyncrl.poison import PoisonedPromptError
+from asyncrl.pool.poison import PoisonedPromptError
 from asyncrl.rollout import make_group_id
 
 pytestmark = pytest.mark.integration

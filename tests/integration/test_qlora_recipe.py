@@ -49,7 +49,7 @@ def test_qlora_resumes_exactly_and_syncs_only_the_adapter(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from asyncrl.debug.record import read_records
-    from asyncrl.qlora import base_reference, load_quantized_base
+    from asyncrl.models.qlora import base_reference, load_quantized_base
 
     reference = tmp_path / "reference"
     out = _ok(_run(reference, "train.steps=6"))

@@ -176,7 +176,7 @@ def test_a_kill_inside_the_final_save_resumes_from_a_complete_checkpoint(tmp_pat
     assert "resumed from" in out and "at step 3" in out, out[-3000:]
     # step 4 trained again and saved once, under a new name (nothing latest named was touched)
     assert (ckpt / "latest").read_text() == "step-000004.1"
-    from asyncrl.checkpoint import CheckpointDir
+    from asyncrl.checkpoint.checkpointer import CheckpointDir
 
     assert CheckpointDir(ckpt, world_size=2).why_incomplete(ckpt / "step-000004.1") is None
     assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-000004", "step-000004.1"]  # keep=2, by commit
@@ -384,7 +384,7 @@ def test_killing_torchrun_ends_its_ranks_and_their_workers(tmp_path):
 def test_a_run_directory_held_by_another_run_is_refused_at_once(tmp_path):
     # the holder here is this test process; a fresh run must leave without writing anything (a --resume refused
     # while a live run holds the directory: test_sigkill_and_resume_trains_each_group_once_with_identical_losses)
-    from asyncrl.run_dir import RunDirLock
+    from asyncrl.checkpoint.run_dir import RunDirLock
 
     run = tmp_path / "run"
     lock = RunDirLock(run)

@@ -13,10 +13,10 @@ import time
 import pytest
 
 from asyncrl import FakeEngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
-from asyncrl.ledger import PromptLedger
-from asyncrl.pool import RolloutPool
+from asyncrl.pool.ledger import PromptLedger
+from asyncrl.pool.buffer import RolloutPool
 from asyncrl.transport import setup_rollout_sender
-from asyncrl.transport.zmq_transport import MAX_STATUS_KEYS, WITHHELD, ZmqRolloutReceiver
+from asyncrl.transport.zmq import MAX_STATUS_KEYS, WITHHELD, ZmqRolloutReceiver
 from tests.integration.test_lifeline import ENV, _alive, _parent, _wait_gone
 
 pytestmark = pytest.mark.integration

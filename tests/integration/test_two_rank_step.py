@@ -1,8 +1,8 @@
 """One trainer step's shared parts at 2 gloo ranks (``_two_rank_step_driver.py``, one torchrun for the module):
 
-* the KL's reference under FSDP2 (``asyncrl.reference``): sharded like the policy, frozen, resharded after its
+* the KL's reference under FSDP2 (``asyncrl.train.reference``): sharded like the policy, frozen, resharded after its
   forward (root included), each rank holding about half of it, with logprobs bit for bit the unsharded copy's;
-* the logged ``loss/*`` and ``mismatch/*`` metrics (``asyncrl.step_metrics.global_metrics``): the values of the
+* the logged ``loss/*`` and ``mismatch/*`` metrics (``asyncrl.train.step_metrics.global_metrics``): the values of the
   whole step, equal to one process computing them on the union of the two ranks' batches (before: rank 0's own),
   and a rank whose metrics have other names fails on both ranks instead of mixing values up."""
 

@@ -2,7 +2,7 @@
 test_vllm_verify.py (tests/conftest.py::shared_vllm: one start-up).
 
 Same prompts, same responses, same weights: vLLM's logprobs of the sampled tokens equal
-``asyncrl.logprobs.token_logprobs`` within 1e-4 — before and after a LoRA update delivered as a
+``asyncrl.train.logprobs.token_logprobs`` within 1e-4 — before and after a LoRA update delivered as a
 peft adapter, and after a full update through ``reload_weights`` — and every output's policy
 version is the one vLLM reports for it (``weight_versions``).
 """

@@ -3,7 +3,7 @@
 * continuous batching: a short group submitted with a long one comes back from ``poll`` while the long one is still
   decoding;
 * an in-flight full update (``keep``): the requests in flight come back with per-token version spans that change at
-  the update, and every span's logprobs equal the trainer's recomputation (``asyncrl.logprobs.token_logprobs``) under
+  the update, and every span's logprobs equal the trainer's recomputation (``asyncrl.train.logprobs.token_logprobs``) under
   that span's weights: the tokens after the update were computed on the prefix re-encoded with the new weights, not
   on KV cache from the old ones (vLLM's recompute preemption at the pause); the control: vLLM's pause with
   ``clear_cache=False`` keeps that KV cache, and the post-update tokens then do not match;
@@ -27,11 +27,11 @@ import pytest
 import torch
 
 from asyncrl.config import VllmEngineConfig
-from asyncrl.logprobs import token_logprobs
+from asyncrl.train.logprobs import token_logprobs
 from asyncrl.weights.base import WeightUpdate
 from tests.engine_utils import SAMPLING, TOL, load_model, lora_update, merged_with, perturbed
-from workers.engines.base import Completion, Finished, GenerationRequest, build_engine
-from workers.tiny_model import build_tiny_model
+from workers.engines import Completion, Finished, GenerationRequest, build_engine
+from asyncrl.testing.tiny_model import build_tiny_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]
 
@@ -212,7 +212,7 @@ def test_the_streaming_worker_loop_on_vllm_answers_every_lease_once_across_an_in
     """The worker's streaming loop (workers/streaming.py, with the channel fakes of its unit tests) on this engine: each
     lease answered once, the update applied in flight, the rollouts' spans and logprobs right per version."""
     from tests.unit.test_streaming import StagedWeights, StreamSender, _lease
-    from workers.rewards import fake_reward
+    from asyncrl.rewards.legacy import fake_reward
     from workers.worker import RolloutWorker
 
     base = load_model(model_dir)

@@ -1,5 +1,5 @@
 """Sampling settings travel with the rollouts into the TrainBatch, and the trainer's logprobs take them from
-there (asyncrl.logprobs.batch_logprobs): a mixed batch, a batch that disagrees with the trainer's config, and
+there (asyncrl.train.logprobs.batch_logprobs): a mixed batch, a batch that disagrees with the trainer's config, and
 forged settings on the wire are refused with the values in the message."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from asyncrl.codec import DecodeError
-from asyncrl.logprobs import batch_logprobs, batch_sampling, token_logprobs
+from asyncrl.train.logprobs import batch_logprobs, batch_sampling, token_logprobs
 from asyncrl.rollout import Group, Rollout
 from datapipes.collate import collate_groups
 from tests.unit.test_rollout import make_rollout, over_wire
@@ -54,7 +54,7 @@ def test_the_batch_carries_one_setting_or_the_distinct_ones():
 def test_batch_logprobs_use_the_batchs_settings():
     from transformers import AutoModelForCausalLM
 
-    from workers.tiny_model import build_tiny_model
+    from asyncrl.testing.tiny_model import build_tiny_model
 
     batch = collate_groups([_group(0, HOT)])
     batch["input_ids"] = batch["input_ids"] % 16  # inside the tiny model's vocabulary

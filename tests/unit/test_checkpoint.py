@@ -1,4 +1,4 @@
-"""asyncrl.checkpoint: a kill at any point of a save (simulated by raising from the hook after each step,
+"""asyncrl.checkpoint.checkpointer: a kill at any point of a save (simulated by raising from the hook after each step,
 and while ranks are still writing) leaves a run that resumes from a complete checkpoint; nothing `latest`
 names is ever deleted; a broken `latest` falls back to the newest complete checkpoint, saying so."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from asyncrl.checkpoint import LATEST, SAVE_POINTS, CheckpointDir, rank_files
+from asyncrl.checkpoint.checkpointer import LATEST, SAVE_POINTS, CheckpointDir, rank_files
 
 WORLD = 2
 

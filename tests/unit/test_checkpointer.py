@@ -1,6 +1,6 @@
-"""asyncrl.checkpoint.Checkpointer in one process (any loop's checkpoints): a save/load round trip restores
+"""asyncrl.checkpoint.checkpointer.Checkpointer in one process (any loop's checkpoints): a save/load round trip restores
 model, optimizer, RNG, step, policy version, extra and the loader's state; a step already on disk is not saved
-twice; a kill inside a save resumes from the previous complete checkpoint; asyncrl.run_dir's helpers for the
+twice; a kill inside a save resumes from the previous complete checkpoint; asyncrl.checkpoint.run_dir's helpers for the
 lock and the records work without a process group."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from asyncrl.checkpoint import Checkpointer
-from asyncrl.run_dir import RunDirLocked, continue_records, hold_run_dir, record_files
+from asyncrl.checkpoint.checkpointer import Checkpointer
+from asyncrl.checkpoint.run_dir import RunDirLocked, continue_records, hold_run_dir, record_files
 
 
 class FakeLoader:

@@ -20,7 +20,7 @@ from asyncrl.codec import DecodeError, encode
 from asyncrl.weights import setup_weight_broadcaster
 from asyncrl.weights._ipc_memory import FlatTarget, IpcHandle, IpcMemory, copy_into
 from asyncrl.weights.base import WeightSyncError
-from asyncrl.weights.cuda_ipc_weights import (
+from asyncrl.weights.cuda_ipc import (
     VERSION,
     CudaIpcWeightBroadcaster,
     CudaIpcWeightReceiver,

@@ -1,4 +1,4 @@
-"""The ``data:`` section (asyncrl.data): prompts from files of every format, from reasoning-gym and the embedded
+"""The ``data:`` section (asyncrl.data.prompts): prompts from files of every format, from reasoning-gym and the embedded
 task, rendered once to token ids (chat template included) the way every engine would, with the other columns
 kept for the reward functions; over-long prompts dropped and counted; bad data refused naming file and column."""
 
@@ -11,7 +11,7 @@ import msgpack
 import pytest
 
 from asyncrl.config import DataConfig
-from asyncrl.data import load_prompts, render_prompt, sft_batch
+from asyncrl.data.prompts import load_prompts, render_prompt, sft_batch
 from workers.engines.base import prompt_token_ids
 
 MESSAGES = [
@@ -88,8 +88,8 @@ def test_text_prompts_with_the_chat_template_and_a_system_prompt(tmp_path, tok):
 def test_the_embedded_task_renders_as_the_engines_did(tmp_path):
     from transformers import AutoTokenizer
 
-    from workers.tasks import arithmetic_prompts
-    from workers.tiny_model import build_tiny_model
+    from asyncrl.data.tasks import arithmetic_prompts
+    from asyncrl.testing.tiny_model import build_tiny_model
 
     tok = AutoTokenizer.from_pretrained(build_tiny_model(tmp_path / "char"))
     prompts = load_prompts(DataConfig(num_prompts=20, max_operand=9, seed=3), tok)
@@ -121,7 +121,7 @@ def test_reasoning_gym_items_keep_what_its_scorer_needs(tok):
 def test_over_long_prompts_are_dropped_counted_and_logged(tmp_path, tok, caplog):
     rows = [{"prompt": "one two three " * n, "answer": str(n)} for n in range(1, 9)]
     cfg = DataConfig(source="datasets", path=_jsonl(tmp_path / "long.jsonl", rows), max_prompt_length=12)
-    with caplog.at_level(logging.WARNING, logger="asyncrl.data"):
+    with caplog.at_level(logging.WARNING, logger="asyncrl.data.prompts"):
         prompts = load_prompts(cfg, tok)
     lengths = [len(render_prompt(r["prompt"], tok)) for r in rows]
     assert prompts.dropped_too_long == sum(n > 12 for n in lengths) > 0
@@ -180,7 +180,7 @@ def test_a_column_that_cannot_travel_is_named(tmp_path, tok):
 def test_chat_turns_need_a_chat_template(tmp_path):
     from transformers import AutoTokenizer
 
-    from workers.tiny_model import build_tiny_model
+    from asyncrl.testing.tiny_model import build_tiny_model
 
     char = AutoTokenizer.from_pretrained(build_tiny_model(tmp_path / "char"))
     with pytest.raises(ValueError, match="chat template"):

@@ -1,4 +1,4 @@
-"""The gate's ranges (asyncrl.gate) and the ledger's lease holders (who may deliver a prompt's group)."""
+"""The gate's ranges (asyncrl.pool.gate) and the ledger's lease holders (who may deliver a prompt's group)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from asyncrl.config import GateConfig
-from asyncrl.gate import GateError, check_group
-from asyncrl.ledger import PromptLedger
+from asyncrl.pool.gate import GateError, check_group
+from asyncrl.pool.ledger import PromptLedger
 from asyncrl.rollout import Group, Rollout
 
 

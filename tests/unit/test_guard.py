@@ -1,4 +1,4 @@
-"""The update guard (asyncrl.guard): accepted steps step, rejected ones leave parameters and optimizer state
+"""The update guard (asyncrl.train.guard): accepted steps step, rejected ones leave parameters and optimizer state
 bit-for-bit as before, and every rank of a DDP or FSDP2 group reaches the same verdict."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from asyncrl.config import GuardConfig
-from asyncrl.guard import UpdateGuard
+from asyncrl.train.guard import UpdateGuard
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -189,7 +189,7 @@ def test_the_step_learning_rate_is_set_only_when_kept():
 def test_the_update_ratio_is_the_norm_of_the_whole_update(monkeypatch, chunk_bytes):
     """``||theta' - theta|| / ||theta||`` over all trainable parameters together, whether the difference is formed
     one parameter at a time (``RATIO_CHUNK_BYTES`` tiny) or all at once; mixed dtypes included."""
-    import asyncrl.guard as guard_module
+    import asyncrl.train.guard as guard_module
 
     monkeypatch.setattr(guard_module, "RATIO_CHUNK_BYTES", chunk_bytes)
     model = _model()

@@ -1,7 +1,7 @@
 """Tests for ``engine.compile``: the HF lean decode loop with its one-token step ``torch.compile``\\ d over a
 ``StaticCache`` (:class:`workers.engines._hf_decode.CompiledStep`).
 
-What must hold: the compiled rollouts' logprobs are the trainer's :func:`asyncrl.logprobs.token_logprobs` (within
+What must hold: the compiled rollouts' logprobs are the trainer's :func:`asyncrl.train.logprobs.token_logprobs` (within
 ``TOL``; inductor fuses differently from eager), with left padding, dummy rows (a batch padded up to its row
 bucket), stop tokens and pads; batches of other prompt widths in the same bucket compile nothing new; when
 compiling fails the engine logs it once and decodes eagerly, the same tokens as an engine without ``compile``.
@@ -19,8 +19,8 @@ from asyncrl.config import HFEngineConfig
 from tests.engine_utils import SAMPLING, TOL, max_logprob_diff
 from workers.engines import _hf_decode
 from workers.engines._hf_decode import LENGTH_QUANTUM, MAX_SHAPES, CompiledStep
-from workers.engines.base import GenerationRequest, build_engine
-from workers.tiny_model import build_tiny_model
+from workers.engines import GenerationRequest, build_engine
+from asyncrl.testing.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_compiled_rows_stop_take_the_pad_and_end_the_loop(compiled):
 
 
 def _batch(engine, texts: list[str], n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from workers.engines.hf import left_pad
+    from workers.engines._rows import left_pad
 
     return left_pad([engine._prompt_ids({"text": t}) for t in texts for _ in range(n)], engine.pad_id)
 

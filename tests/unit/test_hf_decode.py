@@ -3,7 +3,7 @@ distribution the trainer recomputes.
 
 The lean loop's tokens are no longer ``generate``'s for the same seed (it draws by inverse CDF, one uniform per row,
 not ``torch.multinomial``), so what must hold is: every sampled token's logprob is the trainer's teacher-forced
-:func:`asyncrl.logprobs.token_logprobs` of it (within ``TOL``), with and without warpers, padding, stop tokens, a LoRA
+:func:`asyncrl.train.logprobs.token_logprobs` of it (within ``TOL``), with and without warpers, padding, stop tokens, a LoRA
 adapter and suppressed tokens; tokens top-k/top-p/suppression removed are never drawn; the sampler's frequencies
 match a fixed distribution (chi-square, fixed seed); a seed replays a call's tokens; the stop/pad rules are
 ``generate``'s (a stopped row takes the pad, the loop ends when every row has stopped).
@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from asyncrl.config import HFEngineConfig
-from asyncrl.logprobs import token_logprobs
+from asyncrl.train.logprobs import token_logprobs
 from tests.engine_utils import SAMPLING, TOL, lora_update, max_logprob_diff
 from workers.engines._hf_decode import decode, supports_decode, warpers
 from workers.engines._sampling import sample
-from workers.engines.base import GenerationRequest, build_engine
-from workers.tiny_model import build_tiny_model
+from workers.engines import GenerationRequest, build_engine
+from asyncrl.testing.tiny_model import build_tiny_model
 
 PLAIN = dict(temperature=1.0, top_k=0, top_p=1.0)
 
@@ -35,7 +35,7 @@ def engine(tmp_path_factory):
 
 
 def _batch(engine, texts: list[str], n: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    from workers.engines.hf import left_pad
+    from workers.engines._rows import left_pad
 
     return left_pad([engine._prompt_ids({"text": t}) for t in texts for _ in range(n)], engine.pad_id)
 

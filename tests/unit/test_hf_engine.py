@@ -1,4 +1,4 @@
-"""Tests for workers.engines.hf.HFEngine and asyncrl.logprobs: the engine's logprobs are the trainer's.
+"""Tests for workers.engines.hf.HFEngine and asyncrl.train.logprobs: the engine's logprobs are the trainer's.
 
 The core check: prompt + response collated exactly as a trainer sees them (``collate_groups``), then
 ``token_logprobs`` at the response positions must equal the engine's logprobs within 1e-4 (fp32) —
@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from asyncrl.config import HFEngineConfig
-from asyncrl.logprobs import sampling_logprobs, token_logprobs
+from asyncrl.train.logprobs import sampling_logprobs, token_logprobs
 from asyncrl.weights.base import WeightUpdate
-from workers.engines.base import Completion, GenerationRequest, build_engine
-from workers.engines.hf import HFEngine, length_targets
-from workers.tiny_model import build_tiny_model
+from workers.engines import Completion, GenerationRequest, build_engine
+from workers.engines._rows import length_targets
+from workers.engines.hf import HFEngine
+from asyncrl.testing.tiny_model import build_tiny_model
 from tests.engine_utils import PROMPTS, SAMPLING, TOL, load_model, lora_update, max_logprob_diff
 
 EOS = 2

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from asyncrl.config import HFEngineConfig
-from asyncrl.logprobs import token_logprobs
+from asyncrl.train.logprobs import token_logprobs
 from asyncrl.weights.base import WeightUpdate
 from tests.engine_utils import PROMPTS, SAMPLING, collate, load_model, max_logprob_diff, perturbed
-from workers.engines.base import Completion, Finished, GenerationRequest, build_engine
+from workers.engines import Completion, Finished, GenerationRequest, build_engine
 from workers.engines.hf import HFEngine
-from workers.tiny_model import build_tiny_model
+from asyncrl.testing.tiny_model import build_tiny_model
 
 TOL = 1e-5
 
@@ -136,7 +136,7 @@ def test_the_batched_inverse_cdf_draw_samples_each_rows_distribution():
     logprob is the sampled token's under the processed distribution."""
     from types import SimpleNamespace
 
-    from asyncrl.logprobs import sampling_logprobs
+    from asyncrl.train.logprobs import sampling_logprobs
     from workers.engines.hf_stream import StreamScheduler, _Seq
 
     config = SimpleNamespace(temperature=0.7, top_k=4, top_p=1.0, max_num_seqs=None)
@@ -266,7 +266,7 @@ def test_streaming_worker_loop_on_hf_answers_every_lease_once_across_an_in_fligh
     each lease answered once, the update applied in flight, every rollout's spans and per-span logprobs right."""
     from asyncrl.rollout import Rollout
     from tests.unit.test_streaming import StagedWeights, StreamSender, _lease
-    from workers.rewards import fake_reward
+    from asyncrl.rewards.legacy import fake_reward
     from workers.worker import RolloutWorker
 
     engine = make_engine(model_dir, ignore_eos=True, max_new_tokens=12, max_num_seqs=8)

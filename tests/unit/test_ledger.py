@@ -1,4 +1,4 @@
-"""Tests for asyncrl.ledger: shard_indices and the PromptLedger lifecycle and state dict."""
+"""Tests for asyncrl.pool.ledger: shard_indices and the PromptLedger lifecycle and state dict."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from asyncrl.ledger import PromptLedger, PromptState, shard_indices
+from asyncrl.pool.ledger import PromptLedger, PromptState, shard_indices
 
 # ----------------------------------------------------------------------------------------------------------------------
 # helpers

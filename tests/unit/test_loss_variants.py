@@ -1,4 +1,4 @@
-"""The GRPO family of asyncrl.losses against hand computations on one fixed batch, and against TRL 1.16's own
+"""The GRPO family of asyncrl.train.losses against hand computations on one fixed batch, and against TRL 1.16's own
 ``GRPOTrainer._compute_loss`` on the same numbers; user losses (``loss.fn``) and the old config names."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asyncrl.config import LossConfig, load_config
-from asyncrl.losses import compute_advantages, compute_loss, normalize_then_sum_advantages, policy_loss
+from asyncrl.train.losses import compute_advantages, compute_loss, normalize_then_sum_advantages, policy_loss
 
 # ---------------------------------------------------------------------------------------------------------------------
 # the fixed batch: 2 groups of 2 rows, 3 positions, response lengths 3, 1, 2, 1

@@ -1,4 +1,4 @@
-"""Tests for asyncrl.losses: hand-computed values on 2 x 4 batches for every advantage, loss and metric path."""
+"""Tests for asyncrl.train.losses: hand-computed values on 2 x 4 batches for every advantage, loss and metric path."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from asyncrl.config import LossConfig
-from asyncrl.losses import group_advantages, mismatch_metrics, policy_loss
+from asyncrl.train.losses import group_advantages, mismatch_metrics, policy_loss
 
 LOG = math.log
 ALL = torch.ones(2, 4, dtype=torch.bool)

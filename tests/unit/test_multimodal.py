@@ -12,8 +12,8 @@ import torch
 
 from asyncrl.codec import DecodeError, decode, encode
 from asyncrl.config import GateConfig
-from asyncrl.gate import GateError, check_group
-from asyncrl.images import (
+from asyncrl.pool.gate import GateError, check_group
+from asyncrl.data.images import (
     MAX_IMAGES,
     ImageError,
     decode_image,
@@ -22,11 +22,11 @@ from asyncrl.images import (
     prompt_images,
     verify_images,
 )
-from asyncrl.ledger import PromptLedger
-from asyncrl.pool import RolloutPool
+from asyncrl.pool.ledger import PromptLedger
+from asyncrl.pool.buffer import RolloutPool
 from asyncrl.rollout import Group, Rollout
 from datapipes.collate import collate_groups
-from workers.visual_task import draw_squares, visual_count_prompts
+from asyncrl.data.visual_task import draw_squares, visual_count_prompts
 
 GROUP_SIZE = 2
 

@@ -1,4 +1,4 @@
-"""The trainer's AdamW (asyncrl.optim.adamw): fused where torch has the kernel, and with it the update guard still
+"""The trainer's AdamW (asyncrl.train.optim.adamw): fused where torch has the kernel, and with it the update guard still
 undoes a rejected step bit for bit and a saved optimizer state resumes to the same trajectory."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import copy
 import torch
 
 from asyncrl.config import GuardConfig
-from asyncrl.guard import UpdateGuard
-from asyncrl.optim import adamw
+from asyncrl.train.guard import UpdateGuard
+from asyncrl.train.optim import adamw
 
 
 def _model(seed: int = 0) -> torch.nn.Module:

@@ -26,7 +26,7 @@ time.sleep(600)
 
 _SHM_BROADCASTER = """
 import time, torch
-from asyncrl.weights.shm_weights import ShmWeightBroadcaster
+from asyncrl.weights.shm import ShmWeightBroadcaster
 b = ShmWeightBroadcaster(bucket_bytes=1 << 16)
 b.publish({"w": torch.ones(1 << 18)}, 1)  # two 1 MiB slots' worth of segments in /dev/shm
 print(b.address, flush=True)
@@ -106,7 +106,7 @@ def test_a_missing_base_sweeps_nothing(tmp_path):
 
 @pytest.mark.skipif(not os.access("/dev/shm", os.W_OK), reason="needs a writable /dev/shm")
 def test_a_sigkilled_shm_broadcaster_leaves_no_segments_after_the_next_one_starts():
-    from asyncrl.weights.shm_weights import ShmWeightBroadcaster
+    from asyncrl.weights.shm import ShmWeightBroadcaster
 
     proc, path = _start(_SHM_BROADCASTER)
     try:

@@ -1,4 +1,4 @@
-"""Poisoned prompts (asyncrl.poison): failed attempts counted per prompt in the ledger, re-issue backoff,
+"""Poisoned prompts (asyncrl.pool.poison): failed attempts counted per prompt in the ledger, re-issue backoff,
 and the pool's raise / skip policies, with exactly-once accounting that tells skipped from consumed."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import math
 import pytest
 
 from asyncrl.codec import decode, dumps_json, encode, loads_json
-from asyncrl.ledger import PromptLedger, PromptState
-from asyncrl.poison import PoisonedPromptError, reissue_backoff_s
-from asyncrl.pool import RolloutPool
+from asyncrl.pool.ledger import PromptLedger, PromptState
+from asyncrl.pool.poison import PoisonedPromptError, reissue_backoff_s
+from asyncrl.pool.buffer import RolloutPool
 from tests.unit.test_pool import deliver, make_group
 
 ERROR = "ValueError: an engine needs a prompt with 'prompt_ids' or 'text', got {'foo': 1}"

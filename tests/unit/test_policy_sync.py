@@ -1,4 +1,4 @@
-"""PolicySync (asyncrl.policy_sync): the pool's version moves before every publish, a rejected step publishes
+"""PolicySync (asyncrl.train.policy_sync): the pool's version moves before every publish, a rejected step publishes
 nothing but still commits, and the published weights carry the loader's incarnation (a real shm round trip)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.policy_sync import PolicySync
+from asyncrl.train.policy_sync import PolicySync
 from asyncrl.weights import setup_weight_broadcaster, setup_weight_receiver
 
 

@@ -1,4 +1,4 @@
-"""Tests for asyncrl.pool.RolloutPool: capacity, dedup, staleness, exactly-once and the state dict."""
+"""Tests for asyncrl.pool.buffer.RolloutPool: capacity, dedup, staleness, exactly-once and the state dict."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncrl.ledger import PromptLedger, PromptState
-from asyncrl.pool import RolloutPool
+from asyncrl.pool.ledger import PromptLedger, PromptState
+from asyncrl.pool.buffer import RolloutPool
 from asyncrl.rollout import Group, Rollout
 
 # ----------------------------------------------------------------------------------------------------------------------

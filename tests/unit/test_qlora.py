@@ -1,4 +1,4 @@
-"""QLoRA (asyncrl.qlora): the 4-bit NF4 base that the trainer and the HF engine both load, adapter-only sync,
+"""QLoRA (asyncrl.models.qlora): the 4-bit NF4 base that the trainer and the HF engine both load, adapter-only sync,
 the update guard on the adapter, adapter-only checkpoints with the base referenced by hash, and the refusals.
 
 Thresholds: on the 4-bit base (fp32 compute) the engine's sampled-token logprobs equal the trainer's
@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import torch
 
-from asyncrl.checkpoint import BASE, MODEL, OPTIM, BaseMismatch, Checkpointer
+from asyncrl.checkpoint.checkpointer import BASE, MODEL, OPTIM, BaseMismatch, Checkpointer
 from asyncrl.config import EngineConfig, HFEngineConfig, from_dict
 from asyncrl.config import GuardConfig
-from asyncrl.guard import UpdateGuard
-from asyncrl.qlora import (
+from asyncrl.train.guard import UpdateGuard
+from asyncrl.models.qlora import (
     FSDP2_REFUSAL,
     VLLM_REFUSAL,
     base_reference,
@@ -31,8 +31,8 @@ from asyncrl.qlora import (
 from asyncrl.weights.base import WeightUpdate
 from asyncrl.weights.state import policy_state
 from tests.engine_utils import PROMPTS, SAMPLING, TOL, load_model, max_logprob_diff
-from workers.engines.base import GenerationRequest, build_engine
-from workers.tiny_model import build_tiny_model
+from workers.engines import GenerationRequest, build_engine
+from asyncrl.testing.tiny_model import build_tiny_model
 
 bnb = pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (pip install -e '.[qlora]')")
 
@@ -268,7 +268,7 @@ def test_refusals_say_why():
 
 
 def test_a_quantized_model_is_not_given_to_fsdp2(model_dir):
-    from asyncrl.parallel import parallelize
+    from asyncrl.train.parallel import parallelize
 
     with pytest.raises(ValueError, match="Params4bit"):
         parallelize(load_quantized_base(model_dir), "fsdp2", torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""The KL's reference policy (asyncrl.reference): a frozen copy loaded from a model directory, or a peft policy
+"""The KL's reference policy (asyncrl.train.reference): a frozen copy loaded from a model directory, or a peft policy
 with its adapters disabled; its logprobs are the base model's whatever the adapter has learnt."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.logprobs import token_logprobs
-from asyncrl.reference import ReferencePolicy
-from workers.tiny_model import build_tiny_model
+from asyncrl.train.logprobs import token_logprobs
+from asyncrl.train.reference import ReferencePolicy
+from asyncrl.testing.tiny_model import build_tiny_model
 
 SAMPLING = {"temperature": 0.9, "top_k": 0, "top_p": 1.0}
 

@@ -1,4 +1,4 @@
-"""Reward functions (asyncrl.rewards): the built-ins score known right and wrong answers, weighted lists add up
+"""Reward functions (asyncrl.rewards.reward_set): the built-ins score known right and wrong answers, weighted lists add up
 with every component kept, async functions run concurrently on one event loop, and a raising function fails
 its group's lease only (the worker keeps serving). In-process, with the fake engine and a fake sender."""
 
@@ -13,7 +13,7 @@ import torch
 from asyncrl.config import FakeEngineConfig, RewardConfig, WorkerConfig, from_dict, to_dict
 from asyncrl.rewards import UNSCORED, RewardError, RewardSet, format_reward, math_reward, reasoning_gym_reward
 from asyncrl.transport import ReceivedLease
-from workers.engines.base import Completion, build_engine
+from workers.engines import Completion, build_engine
 from workers.worker import RolloutWorker
 
 
@@ -96,7 +96,7 @@ def test_a_completion_no_function_scores_is_marked_unscored():
 def test_reward_config_checks_and_the_old_string_form():
     with pytest.raises(ValueError, match="reward.weights has 1 values for 2 reward.funcs"):
         RewardConfig(funcs=["math", "format"], weights=[1.0])
-    assert WorkerConfig(reward="asyncrl.reward_funcs:arithmetic_reward").reward.funcs == ["asyncrl.reward_funcs:arithmetic_reward"]
+    assert WorkerConfig(reward="asyncrl.rewards.builtin:arithmetic_reward").reward.funcs == ["asyncrl.rewards.builtin:arithmetic_reward"]
     cfg = WorkerConfig(reward=RewardConfig(funcs=["math"], weights=[0.5]))
     assert from_dict(WorkerConfig, to_dict(cfg)).reward == cfg.reward  # travels to workers as JSON
     with pytest.raises(ValueError, match="must be one of"):
@@ -219,4 +219,4 @@ def test_reward_weights_by_logged_name():
     from asyncrl.rewards import reward_weights
 
     assert reward_weights(RewardConfig(funcs=["math", "format"], weights=[1.0, 0.25])) == {"math": 1.0, "format": 0.25}
-    assert reward_weights(RewardConfig(funcs=["asyncrl.reward_funcs:fake_reward"])) == {"fake_reward": 1.0}
+    assert reward_weights(RewardConfig(funcs=["asyncrl.rewards.builtin:fake_reward"])) == {"fake_reward": 1.0}

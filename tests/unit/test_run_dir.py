@@ -1,4 +1,4 @@
-"""asyncrl.run_dir: one run per directory (flock, refusal naming the holder, released by SIGKILL) and
+"""asyncrl.checkpoint.run_dir: one run per directory (flock, refusal naming the holder, released by SIGKILL) and
 record files continued from the resumed step (atomic truncation)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.run_dir import RunDirLock, RunDirLocked, truncate_records
+from asyncrl.checkpoint.run_dir import RunDirLock, RunDirLocked, truncate_records
 
 ROOT = Path(__file__).parents[2]
 
@@ -32,7 +32,7 @@ def test_second_holder_is_refused_with_a_sentence_naming_the_first(tmp_path):
 
 @pytest.mark.integration
 def test_a_sigkilled_holder_releases_the_lock(tmp_path):
-    code = ("import sys; from asyncrl.run_dir import RunDirLock; RunDirLock(sys.argv[1]).acquire(); "
+    code = ("import sys; from asyncrl.checkpoint.run_dir import RunDirLock; RunDirLock(sys.argv[1]).acquire(); "
             "print('held', flush=True); sys.stdin.readline()")
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})

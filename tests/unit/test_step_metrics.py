@@ -1,11 +1,11 @@
-"""asyncrl.step_metrics without a process group: a step's batch statistics and the pipeline counters."""
+"""asyncrl.train.step_metrics without a process group: a step's batch statistics and the pipeline counters."""
 
 import math
 
 import pytest
 import torch
 
-from asyncrl.step_metrics import batch_stats, pipeline_counters
+from asyncrl.train.step_metrics import batch_stats, pipeline_counters
 
 
 def test_batch_stats_of_one_rank():
@@ -21,7 +21,7 @@ def test_batch_stats_and_ddp_at_world_size_one_use_no_collective(tmp_path, monke
     no all-reduce per step, no DDP hooks in backward (both cost the TRL comparison's 1-rank step time)."""
     import torch.distributed as dist
 
-    from asyncrl.parallel import parallelize
+    from asyncrl.train.parallel import parallelize
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
@@ -63,8 +63,8 @@ def test_decoder_layers_of_a_plain_and_a_peft_model(tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.parallel import decoder_layers
-    from workers.tiny_model import build_tiny_model
+    from asyncrl.train.parallel import decoder_layers
+    from asyncrl.testing.tiny_model import build_tiny_model
 
     model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m"))
     layers = decoder_layers(model)
@@ -77,8 +77,8 @@ def test_every_logged_loss_and_mismatch_metric_says_what_it_is_over():
     """A metric policy_loss or mismatch_metrics adds must get its weight in STEP_METRIC_WEIGHTS (else its global
     value would silently be a plain mean over ranks); without a process group global_metrics changes nothing."""
     from asyncrl.config import LossConfig
-    from asyncrl.losses import mismatch_metrics, policy_loss
-    from asyncrl.step_metrics import RANK, STEP_METRIC_WEIGHTS, SUM, global_metrics
+    from asyncrl.train.losses import mismatch_metrics, policy_loss
+    from asyncrl.train.step_metrics import RANK, STEP_METRIC_WEIGHTS, SUM, global_metrics
 
     lp, mask = -torch.rand(2, 4), torch.ones(2, 4, dtype=torch.bool)
     logged = {}

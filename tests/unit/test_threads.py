@@ -1,8 +1,8 @@
-"""asyncrl.threads: trainer ranks get the cores the local workers leave, never fewer than one thread."""
+"""asyncrl.train.threads: trainer ranks get the cores the local workers leave, never fewer than one thread."""
 
 import pytest
 
-from asyncrl.threads import trainer_threads
+from asyncrl.train.threads import trainer_threads
 
 
 @pytest.mark.parametrize("ranks, workers, cores, want", [

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.ledger import PromptLedger, PromptState
-from asyncrl.pool import RolloutPool
-from asyncrl.timeline import Timeline, new_incarnation
+from asyncrl.pool.ledger import PromptLedger, PromptState
+from asyncrl.pool.buffer import RolloutPool
+from asyncrl.pool.timeline import Timeline, new_incarnation
 from tests.unit.test_pool import make_group
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.tiny_bpe import build_tiny_chat_model
+from asyncrl.testing.tiny_bpe import build_tiny_chat_model
 
 
 def _digest(path: Path) -> dict[str, str]:
@@ -61,7 +61,7 @@ def test_loads_and_generates_in_vllm(tiny_chat_model):
     (``'_lib_fn_wrapper' object has no attribute 'get'``), depending on which tests ran before in the process."""
     from asyncrl.config import VllmEngineConfig
     from asyncrl.weights import _delta_kernels
-    from workers.engines.base import GenerationRequest, build_engine
+    from workers.engines import GenerationRequest, build_engine
 
     _delta_kernels.warm()  # numba -> llvmlite.binding loaded, as after any delta broadcaster in this process
     engine = build_engine(VllmEngineConfig(model=tiny_chat_model, max_new_tokens=4, max_model_len=256))

@@ -1,6 +1,6 @@
-"""The visual colour task (``workers.visual_task.visual_colour_prompts``, ``data.source=visual_colour``): its
+"""The visual colour task (``asyncrl.data.visual_task.visual_colour_prompts``, ``data.source=visual_colour``): its
 prompts are deterministic from the seed, each image holds exactly one square of the answer's colour on white, the
-colours are all used, an unknown colour is refused; it loads through ``asyncrl.data`` with the tiny VLM's image
+colours are all used, an unknown colour is refused; it loads through ``asyncrl.data.prompts`` with the tiny VLM's image
 placeholders. Extended (not in CI): a short supervised run of the tiny VLM learns it well above chance (the probe
 that showed the model's vision features reach its language model)."""
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from asyncrl.images import decode_image
-from workers.visual_task import COLOUR_QUESTION, COLOURS, draw_square, visual_colour_prompts
+from asyncrl.data.images import decode_image
+from asyncrl.data.visual_task import COLOUR_QUESTION, COLOURS, draw_square, visual_colour_prompts
 
 
 def test_colour_prompts_are_deterministic_and_answers_are_right():
@@ -35,9 +35,9 @@ def test_draw_square_refuses_an_unknown_colour():
 
 def test_visual_colour_source_loads_with_image_placeholders(tiny_vlm):
     from asyncrl.config import DataConfig
-    from asyncrl.data import load_prompts
-    from workers.engines._multimodal import load_processor
-    from workers.tiny_vlm import IMAGE_SIZE, IMAGE_TOKEN, PATCH_SIZE
+    from asyncrl.data.prompts import load_prompts
+    from asyncrl.models.loading import load_processor
+    from asyncrl.testing.tiny_vlm import IMAGE_SIZE, IMAGE_TOKEN, PATCH_SIZE
 
     prompts = load_prompts(DataConfig(source="visual_colour", num_prompts=8, seed=1), tiny_vlm)
     pad = load_processor(tiny_vlm).tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
@@ -67,9 +67,9 @@ def _learns(tiny_vlm: str) -> None:
     import torch
 
     from asyncrl.config import DataConfig
-    from asyncrl.data import load_prompts, sft_batch
-    from asyncrl.images import processor_inputs
-    from workers.engines._multimodal import load_causal_lm, load_processor
+    from asyncrl.data.prompts import load_prompts, sft_batch
+    from asyncrl.data.images import processor_inputs
+    from asyncrl.models.loading import load_causal_lm, load_processor
 
     processor = load_processor(tiny_vlm)
     tok = processor.tokenizer

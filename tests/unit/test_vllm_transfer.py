@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.weights.shm_weights import ShmWeightBroadcaster, ShmWeightReceiver
+from asyncrl.weights.shm import ShmWeightBroadcaster, ShmWeightReceiver
 
 pytestmark = pytest.mark.vllm
 

@@ -16,8 +16,8 @@ from asyncrl.debug.detectors import AnomalyDetectors
 from asyncrl.weights.base import WeightUpdate
 from asyncrl.weights.verify import WeightVerifier, names_to_check, tensor_checksum, weight_mismatches
 from tests.engine_utils import lora_update, perturbed
-from workers.engines.base import build_engine
-from workers.tiny_model import build_tiny_model
+from workers.engines import build_engine
+from asyncrl.testing.tiny_model import build_tiny_model
 from workers.worker import RolloutWorker
 
 

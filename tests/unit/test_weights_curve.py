@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from asyncrl.config import TransportConfig
-from asyncrl.transport.zmq_transport import generate_curve_keys
+from asyncrl.transport.zmq import generate_curve_keys
 from asyncrl.weights import WeightSyncError, ZmqWeightBroadcaster, ZmqWeightReceiver
 
 WAIT_S = 10.0

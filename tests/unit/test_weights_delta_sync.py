@@ -14,7 +14,7 @@ from asyncrl.weights import setup_weight_broadcaster, setup_weight_receiver
 from asyncrl.weights._checksum import fill_bucket
 from asyncrl.weights.base import plan_buckets
 from asyncrl.weights.delta import DeltaCodec
-from asyncrl.weights.zmq_weights import ZmqWeightReceiver
+from asyncrl.weights.zmq import ZmqWeightReceiver
 
 KB = 1 << 10
 WAIT_S = 30.0
@@ -284,7 +284,7 @@ def test_buckets_are_encoded_once_at_publish_for_every_receiver_at_that_base(bro
 
 
 def test_an_encode_that_fails_serves_the_bucket_full(broadcaster, receivers, monkeypatch):
-    from asyncrl.weights import zmq_weights
+    from asyncrl.weights import zmq as zmq_weights
 
     real = zmq_weights.encode_delta
 
@@ -311,7 +311,7 @@ def _gated_encodes(monkeypatch, base_version: int):
     """Encodes against ``base_version`` wait for ``gate`` (after setting ``started``): an encode in flight."""
     import threading
 
-    from asyncrl.weights import zmq_weights
+    from asyncrl.weights import zmq as zmq_weights
 
     real, started, gate = zmq_weights.encode_delta, threading.Event(), threading.Event()
 
@@ -341,9 +341,9 @@ def test_close_with_an_encode_in_flight_returns_and_the_encoder_thread_ends(rece
     """close() while an encode runs longer than the join allows: close returns, the encode's late wake-up of the
     closed I/O thread is no error (and opens no socket that would hang the context), the thread then ends, and
     what the receiver staged is exact."""
-    from asyncrl.transport import _zmq_util
+    from asyncrl._zmq import io as _zmq_io
 
-    monkeypatch.setattr(_zmq_util, "JOIN_S", 1.0)  # the encode outlives the encoder's join
+    monkeypatch.setattr(_zmq_io, "JOIN_S", 1.0)  # the encode outlives the encoder's join
     started, gate = _gated_encodes(monkeypatch, base_version=1)
     b = setup_weight_broadcaster("zmq", bucket_bytes=64 * KB, delta=True)
     v1 = weights()

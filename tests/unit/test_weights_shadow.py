@@ -21,7 +21,7 @@ from asyncrl.weights import setup_weight_broadcaster, setup_weight_receiver
 from asyncrl.weights._checksum import fill_bucket
 from asyncrl.weights.base import WeightSyncError
 from asyncrl.weights.shadow import ShadowWeights
-from asyncrl.weights.shm_weights import ShmWeightReceiver
+from asyncrl.weights.shm import ShmWeightReceiver
 from asyncrl.weights.verify import VerifyResult, WeightVerifier, tensor_checksum
 
 WAIT_S = 20.0
@@ -289,7 +289,7 @@ def tied_model_dir(tmp_path_factory):
     """The tiny model with its output head tied to the embedding (one parameter under two state dict names)."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    from workers.tiny_model import build_tiny_model, save_model_dir
+    from asyncrl.testing.tiny_model import build_tiny_model, save_model_dir
 
     root = tmp_path_factory.mktemp("shadow")
     base = build_tiny_model(root / "base")
@@ -390,7 +390,7 @@ def test_a_shadow_workers_largest_status_fits_the_pools_limit():
     """``weights_via_shadow`` and ``shadow_busy`` are two more heartbeat keys; the pool drops a status over
     ``MAX_STATUS_KEYS`` whole (policy_version with it; counted as statuses_refused), so the largest one -
     streaming, in-flight pauses, verifying, after a mismatch - must still fit, with a key to spare (shm sends no wire-byte keys)."""
-    from asyncrl.transport.zmq_transport import MAX_STATUS_KEYS
+    from asyncrl.transport.zmq import MAX_STATUS_KEYS
     from workers.engines.fake import FakeEngine
     from workers.worker import RolloutWorker
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from asyncrl.weights import setup_weight_broadcaster, setup_weight_receiver
-from asyncrl.weights.shm_weights import ShmWeightReceiver
-from asyncrl.weights.zmq_weights import ZmqWeightReceiver
+from asyncrl.weights.shm import ShmWeightReceiver
+from asyncrl.weights.zmq import ZmqWeightReceiver
 from tests.weights_utils import corrupt_next
 
 WAIT_S = 20.0

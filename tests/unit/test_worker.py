@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from asyncrl.config import HFEngineConfig
-from asyncrl.logprobs import token_logprobs
+from asyncrl.train.logprobs import token_logprobs
 from asyncrl.transport import ReceivedLease
 from asyncrl.weights import WeightUpdate
 from tests.engine_utils import SAMPLING, TOL, load_model, perturbed
-from workers.engines.base import Completion, build_engine
+from workers.engines import Completion, build_engine
 from workers.environments import ArithmeticRetryEnv
-from workers.rewards import arithmetic_reward, call_reward, fake_reward
-from workers.tiny_model import build_tiny_model
+from asyncrl.rewards.legacy import arithmetic_reward, call_reward, fake_reward
+from asyncrl.testing.tiny_model import build_tiny_model
 from workers.worker import RolloutWorker
 
 
@@ -136,7 +136,7 @@ def test_rewards_sync_async_and_bad_values(model_dir):
 
 
 def test_every_rollout_says_what_it_was_sampled_with(model_dir):
-    """The trainer's logprobs take temperature/top-k/top-p from the batch (asyncrl.logprobs.batch_logprobs)."""
+    """The trainer's logprobs take temperature/top-k/top-p from the batch (asyncrl.train.logprobs.batch_logprobs)."""
     engine = build_engine(HFEngineConfig(model=model_dir, max_new_tokens=4, **SAMPLING))
     sender = FakeSender()
     RolloutWorker("w0", engine, fake_reward, sender, max_batch=2).step(_leases(2, group_size=2))

@@ -8,8 +8,8 @@ import logging
 from asyncrl._logging import Throttle
 from asyncrl.config import FakeEngineConfig
 from asyncrl.transport import ReceivedLease
-from workers.engines.base import build_engine
-from workers.rewards import fake_reward
+from workers.engines import build_engine
+from asyncrl.rewards.legacy import fake_reward
 from workers.worker import RolloutWorker
 
 POISON = {"foo": 1}

@@ -11,9 +11,9 @@
 The forward inputs are those of ``model.generate(do_sample=True)`` (transformers 5.x ``_sample``): ``input_ids``,
 ``position_ids`` = cumsum of the mask - 1, the 2D mask or none when nothing is padded, a fresh ``DynamicCache``,
 ``logits_to_keep=1``; the same float32 upcast of the last position's logits, the same warpers in the same order
-(:func:`warpers`, which is also what :func:`asyncrl.logprobs.sampling_logprobs` applies on the trainer), the same
+(:func:`warpers`, which is also what :func:`asyncrl.train.logprobs.sampling_logprobs` applies on the trainer), the same
 pad-after-stop rule. So each token is drawn from exactly ``generate``'s distribution, and its logprob is the one the
-trainer's teacher-forced :func:`asyncrl.logprobs.token_logprobs` recomputes (up to float rounding of the batched
+trainer's teacher-forced :func:`asyncrl.train.logprobs.token_logprobs` recomputes (up to float rounding of the batched
 forward; ``tests/unit/test_hf_decode.py`` holds it to that). The draw itself differs: ``generate`` calls
 ``torch.multinomial``, which draws an exponential per vocabulary entry (~195 us a step for 32 rows x 128 tokens on
 one CPU thread, ~6% of the tiny model's decode); the inverse CDF draws one uniform per row (~20 us). So the tokens

@@ -75,7 +75,7 @@ def offer(update: Any) -> dict[str, Any]:
     """The ``update_info`` that lets the engine load ``update`` (a full :class:`~asyncrl.weights.WeightUpdate`).
 
     By reference for a vLLM worker in this process; for one in another process the update must be staged in a shm
-    segment (``metadata["segment_path"]``, set by :class:`~asyncrl.weights.shm_weights.ShmWeightReceiver`), whose
+    segment (``metadata["segment_path"]``, set by :class:`~asyncrl.weights.shm.ShmWeightReceiver`), whose
     tensors are then described by their byte offsets in the file. Call :func:`withdraw` with the result afterwards.
     """
     token = secrets.token_hex(8)
@@ -202,7 +202,7 @@ class AsyncrlWeightTransferEngine(WeightTransferEngine[AsyncrlInitInfo, AsyncrlU
         return self._segment_views(info.version, info.segment)
 
     def _segment_views(self, version: int, seg: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
-        from asyncrl.weights.shm_weights import _HEADER, MAGIC
+        from asyncrl.weights.shm import _HEADER, MAGIC
 
         path, publish = str(seg["path"]), int(seg["publish"])
         mm, buf = self._map(version, path)

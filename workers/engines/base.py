@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["Completion", "Engine", "Finished", "GenerationRequest", "build_engine", "prompt_token_ids"]
+from asyncrl.data.prompts import render_prompt
+
+__all__ = ["Completion", "Engine", "Finished", "GenerationRequest", "prompt_token_ids"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -65,16 +67,14 @@ class Finished:
 
 def prompt_token_ids(prompt: Any, tokenizer: Any | None = None) -> torch.Tensor:
     """int32 token ids of a prompt item: ``{"prompt_ids": [...]}`` as given (what the trainer's ``data:``
-    section sends: rendered once, :mod:`asyncrl.data`); otherwise ``{"messages": [...]}``, ``{"prompt": ...}``,
-    ``{"text": ...}`` or a str rendered by :func:`asyncrl.data.render_prompt`, the one rendering function (chat
+    section sends: rendered once, :mod:`asyncrl.data.prompts`); otherwise ``{"messages": [...]}``, ``{"prompt": ...}``,
+    ``{"text": ...}`` or a str rendered by :func:`asyncrl.data.prompts.render_prompt`, the one rendering function (chat
     turns with the tokenizer's chat template; text after the tokenizer's bos, or as UTF-8 bytes when there is
     no tokenizer: the fake engine).
 
     Raises:
         ValueError: for an item with none of these.
     """
-    from asyncrl.data import render_prompt
-
     if isinstance(prompt, dict) and "prompt_ids" in prompt:
         ids = prompt["prompt_ids"]
         return ids.to(torch.int32) if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int32)
@@ -191,22 +191,3 @@ class Engine(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases engine resources."""
-
-
-def build_engine(config: Any) -> Engine:
-    """The engine for an :class:`~asyncrl.config.EngineConfig`, imported lazily."""
-    if config.type in ("hf", "vllm") and not config.model:
-        raise ValueError(f"engine.type={config.type!r} needs engine.model (a model directory)")
-    if config.type == "fake":
-        from workers.engines.fake import FakeEngine
-
-        return FakeEngine(config)
-    if config.type == "hf":
-        from workers.engines.hf import HFEngine
-
-        return HFEngine(config)
-    if config.type == "vllm":
-        from workers.engines.vllm_engine import VLLMEngine
-
-        return VLLMEngine(config)
-    raise ValueError(f"unknown engine.type={config.type!r}; choose one of ['fake', 'hf', 'vllm']")

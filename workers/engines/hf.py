@@ -2,7 +2,7 @@
 
 All samples of all requests in a call decode together as one left-padded batch. The logprob of
 each sampled token is read from ``generate``'s processed scores (after temperature, top-k, top-p),
-i.e. the distribution actually sampled from, which is what :func:`asyncrl.logprobs.token_logprobs`
+i.e. the distribution actually sampled from, which is what :func:`asyncrl.train.logprobs.token_logprobs`
 computes on the trainer. The model's own ``generation_config`` is replaced by a blank one at load
 time so that defaults shipped with a checkpoint (a repetition penalty, a top-k) cannot change the
 sampled distribution behind the engine config's back.
@@ -19,11 +19,11 @@ strict, dropping any adapter); a ``lora`` update wraps the model with peft on fi
 adapter state dict (the LoRA config is fixed from then on). With shadow weights (``weights.shadow``,
 :meth:`HFEngine.shadow_weights`) a ``full`` update the receiver staged over the shadow is applied by swapping the
 shadow's storage with the module's (``param.data``, O(1) per tensor, ties kept) instead of copying it. With ``engine.quantization=nf4`` the base is
-the trainer's 4-bit QLoRA base (:func:`asyncrl.qlora.load_quantized_base`) and only ``lora`` updates apply.
+the trainer's 4-bit QLoRA base (:func:`asyncrl.models.qlora.load_quantized_base`) and only ``lora`` updates apply.
 
 Long-tailed workloads (benchmarks): with ``engine.ignore_eos`` no stop token (EOS or
 ``stop_token_ids``) ends a response. Each response then has a target length: drawn from the lognormal
-of ``engine.length_tail`` (see :func:`length_targets`) or, with ``length_tail = 0``, the token limit.
+of ``engine.length_tail`` (see :func:`workers.engines._rows.length_targets`) or, with ``length_tail = 0``, the token limit.
 The batch is generated to its longest target and each row is cut to its own (finish reason
 ``length``); the sampling distribution, and so the per-token logprobs, are exactly those of a normal
 call. ``Completion.text`` is the text up to the first stop token, so rewards still score the answer.
@@ -43,13 +43,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncrl.config import EngineConfig, HFEngineConfig
-from asyncrl.images import prompt_images, vision_token_ids
+from asyncrl.config import HFEngineConfig
+from asyncrl.data.images import prompt_images, vision_token_ids
 from workers.engines._hf_decode import CompiledStep, decode, supports_decode, warpers
-from workers.engines._multimodal import hf_image_inputs, load_causal_lm, load_processor
+from asyncrl.models.loading import load_causal_lm, load_processor
+from workers.engines._multimodal import hf_image_inputs
+from workers.engines._rows import left_pad, length_targets
 from workers.engines.base import Completion, Engine, Finished, GenerationRequest, prompt_token_ids
+from workers.engines.hf_stream import StreamScheduler
 
-__all__ = ["HFEngine", "length_targets"]
+__all__ = ["HFEngine"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,48 +64,6 @@ def _listed(keys: set[str]) -> str:
     names = sorted(keys)
     more = f" (+{len(names) - _MAX_LISTED} more)" if len(names) > _MAX_LISTED else ""
     return f"{names[:_MAX_LISTED]}{more}"
-
-
-
-def left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """1-D token tensors left-padded with ``pad_id`` to the longest: ``(input_ids, attention_mask)``, long tensors
-    of shape (rows, width), the mask 1 over each row's tokens (what generate, the lean decode loop and the
-    streaming prefill all take)."""
-    width = max(r.numel() for r in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        input_ids[i, width - r.numel():] = r
-        attention_mask[i, width - r.numel():] = 1
-    return input_ids, attention_mask
-
-
-def length_targets(config: EngineConfig, request: GenerationRequest, limit: int) -> list[int]:
-    """Response lengths of a request's ``n`` samples when ``config.ignore_eos`` is set.
-
-    With ``length_tail > 0``, sample ``s`` draws from a lognormal with median ``length_median`` (None:
-    ``2 * min_new_tokens``) and sigma ``length_tail``, seeded by ``(seed, epoch, prompt_index, s)``, so a
-    regenerated group has the same lengths; clipped to ``[max(min_new_tokens, 1), limit]``. Otherwise every
-    sample runs to ``limit``. A request with its own ``max_new_tokens`` (a chunk of an interruptible
-    generation) runs to that limit: the chunks together reach ``max_new_tokens``.
-
-    Args:
-        config: the engine config.
-        request: the request whose samples need lengths.
-        limit: the most new tokens of this call.
-
-    Returns:
-        ``request.n`` target lengths in ``[1, limit]``.
-    """
-    if config.length_tail <= 0 or request.max_new_tokens is not None:
-        return [limit] * request.n
-    median = config.length_median or max(config.min_new_tokens, 1) * 2
-    low = min(max(config.min_new_tokens, 1), limit)
-    out = []
-    for s in range(request.n):
-        rng = np.random.default_rng([config.seed, request.epoch, request.prompt_index, s])
-        out.append(int(np.clip(rng.lognormal(np.log(median), config.length_tail), low, limit)))
-    return out
 
 
 class HFEngine(Engine):
@@ -120,14 +81,14 @@ class HFEngine(Engine):
         self.dtype = getattr(torch, config.dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         if config.quantization == "nf4":  # QLoRA: the trainer's 4-bit base, loaded by the same function
-            from asyncrl.qlora import load_quantized_base
+            from asyncrl.models.qlora import load_quantized_base
 
             self.model = load_quantized_base(config.model, dtype=config.dtype, device=self.device).eval()
         else:
             self.model = load_causal_lm(config.model, self.dtype).to(self.device).eval()
         self.processor = load_processor(config.model)
         """The model's ``AutoProcessor`` for a vision-language model (image prompts), else None."""
-        self._suppress = vision_token_ids(self.processor)  # a VLM never samples an image slot (asyncrl.images)
+        self._suppress = vision_token_ids(self.processor)  # a VLM never samples an image slot (asyncrl.data.images)
         eos = self.tokenizer.eos_token_id
         if eos is None and not config.stop_token_ids:
             raise ValueError(f"tokenizer of {config.model!r} has no eos token; set engine.stop_token_ids")
@@ -323,8 +284,6 @@ class HFEngine(Engine):
             raise ValueError("the streaming HF engine does not take image prompts yet: run a vision-language model "
                              "with worker.streaming off (static batches pass the images to generate)")
         if self._stream is None:
-            from workers.engines.hf_stream import StreamScheduler
-
             self._stream = StreamScheduler(self)
         self._stream.submit(key, request)
 

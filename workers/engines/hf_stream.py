@@ -29,7 +29,7 @@ of the softmax of the processed scores), but on CPU its loop took ~400 ms per de
 this one takes a few, it samples from one RNG for the whole batch (a group's tokens depend on what else runs),
 ``n`` is per manager, not per request, and ``pause()`` keeps the KV cache computed under the old weights.
 
-Sampling: each row's distribution is :func:`asyncrl.logprobs.sampling_logprobs` of its logits (temperature,
+Sampling: each row's distribution is :func:`asyncrl.train.logprobs.sampling_logprobs` of its logits (temperature,
 top-k, top-p: the trainer's own function), and the logprob reported is that of the sampled token under it.
 Each sequence draws its uniforms from its own ``torch.Generator`` seeded from ``(seed, epoch, prompt_index,
 sample, policy_version at submit)``, one per token (``UNIFORM_BLOCK`` at a time), and the whole batch samples in
@@ -37,7 +37,7 @@ one inverse-CDF pass (the first token whose cumulative probability exceeds the r
 the row's distribution, as ``torch.multinomial`` is, without a call per row), so a sequence's tokens do not depend
 on which other rows share the batch (up to float rounding of the batched matmuls).
 Rows are left-padded with an attention mask; position ids count each row's real tokens (what the trainer's
-:func:`~asyncrl.logprobs.token_logprobs` and ``generate`` use), so a row admitted later, padded differently, sees
+:func:`~asyncrl.train.logprobs.token_logprobs` and ``generate`` use), so a row admitted later, padded differently, sees
 the same RoPE phases.
 
 Cost model (why admissions are batched and retirement is lazy): on a CPU with a small model, or a GPU whose batch
@@ -48,7 +48,7 @@ those passes. Dropping a finished row copies every layer's cache, and so does ap
 writing the new rows into finished rows' slots copies only the new rows (``merges`` counts both paths): for 96
 groups of 8 through 64 rows, 32 in flight, ~10 % fewer CPU-seconds (median of 8 alternated rounds, 1.995 -> 1.815 s).
 
-Lengths follow the static path: ``engine.ignore_eos`` runs each sample to its :func:`~workers.engines.hf.length_targets`
+Lengths follow the static path: ``engine.ignore_eos`` runs each sample to its :func:`~workers.engines._rows.length_targets`
 target (finish ``length``; text up to the first stop token); otherwise a stop token ends it (kept, finish ``stop``)
 or ``max_new_tokens`` does (finish ``length``).
 
@@ -70,7 +70,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from asyncrl.logprobs import sampling_logprobs
+from asyncrl.train.logprobs import sampling_logprobs
+from workers.engines._rows import left_pad, length_targets
 from workers.engines._sampling import sample
 from workers.engines.base import Completion, Finished, GenerationRequest
 
@@ -169,8 +170,6 @@ class StreamScheduler:
             ValueError: a key already in flight, an empty or unrenderable prompt, an image prompt, ``n < 1``
                 (nothing is queued).
         """
-        from workers.engines.hf import length_targets
-
         if key in self.requests:
             raise ValueError(f"request key {key} is already in flight")
         if request.n < 1:
@@ -331,8 +330,6 @@ class StreamScheduler:
         from transformers import DynamicCache
 
         e = self.engine
-        from workers.engines.hf import left_pad
-
         ids, mask = left_pad(seqs, e.pad_id)
         ids, mask = ids.to(e.device), mask.to(e.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)

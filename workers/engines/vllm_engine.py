@@ -2,7 +2,7 @@
 
 Logprobs come from vLLM itself, for the sampled token only (``SamplingParams(logprobs=0)``), under
 the distribution actually sampled from (``logprobs_mode="processed_logprobs"``: after temperature,
-top-k and top-p), which is what :func:`asyncrl.logprobs.token_logprobs` computes on the trainer.
+top-k and top-p), which is what :func:`asyncrl.train.logprobs.token_logprobs` computes on the trainer.
 
 Settings come from the engine config: ``dtype``, ``max_model_len``, ``enforce_eager``, ``tensor_parallel_size``,
 and the KV cache either as ``kv_cache_bytes`` (CPU runs; the tiny model's default) or, with ``kv_cache_bytes:
@@ -33,7 +33,7 @@ vLLM implementation of partial rollouts: no re-submission. Both loops share the 
 
 Long-tailed workloads (benchmarks): with ``engine.ignore_eos`` no stop token ends a response
 (``SamplingParams(ignore_eos=True)``, no ``stop_token_ids``) and each sample becomes a request of its own
-with ``max_tokens`` = its target length from :func:`workers.engines.hf.length_targets` (the same
+with ``max_tokens`` = its target length from :func:`workers.engines._rows.length_targets` (the same
 lognormal draw, seeded by ``(seed, epoch, prompt_index, sample)``). The sampling distribution is
 unchanged; ``Completion.text`` is the text up to the first stop token, so rewards still score the answer.
 """
@@ -52,7 +52,7 @@ from asyncrl._owned_dir import make_owned_dir
 from asyncrl.config import VllmEngineConfig
 from workers.engines.base import Completion, Engine, Finished, GenerationRequest, prompt_token_ids
 from workers.engines._multimodal import vllm_image_data
-from workers.engines.hf import length_targets
+from workers.engines._rows import length_targets
 
 __all__ = ["VLLMEngine"]
 

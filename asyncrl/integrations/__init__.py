@@ -1,0 +1,1 @@
+"""Integrations with training frameworks (application layer: may import ``datapipes``): ``lightning.py``."""

@@ -1,0 +1,911 @@
+"""ZeroMQ backend of the rollout channel: both ends of the wire protocol.
+
+Topology: each trainer rank's pool binds one ROUTER; each worker connects one DEALER per pool it
+serves (M:N). Frames are :mod:`asyncrl.codec` messages (msgpack header + zero-copy tensor frames).
+
+Who blocks on what:
+
+* Pool side, :class:`ZmqRolloutReceiver`: one I/O thread owns the ROUTER. It polls with a short
+  timeout (``TICK_S``), decodes and checks every message (a bad one is counted and dropped, the
+  peer stays), feeds groups to the :class:`~asyncrl.pool.buffer.RolloutPool`, and on every tick grants
+  leases to workers with free credits, expires overdue leases, declares silent workers dead (their
+  leases go back to the ledger) and sends heartbeats. The trainer thread never touches the socket.
+* Worker side, :class:`ZmqRolloutSender`: one I/O thread owns the DEALERs and handles handshake,
+  heartbeats, leases and cancels; the worker's main thread blocks only in :meth:`take_leases` and
+  hands finished groups to the I/O thread over an ``inproc`` PUSH/PULL pair (zero-copy).
+
+Credit-based flow control: a worker announces ``slots`` in HELLO (capped at ``gate.max_slots_per_peer``);
+the pool keeps at most that many leases outstanding per worker and at most ``capacity`` groups in
+flight overall, so a stalled trainer stops generation. Delivery is at-least-once (a lease can be
+re-issued); the pool deduplicates by uid.
+
+The gate (every refusal counted by reason in :meth:`ZmqRolloutReceiver.stats`): a group is accepted
+only from a worker that holds or held a lease for its prompt in this epoch (``not_leased_to_peer``)
+and only within :mod:`asyncrl.pool.gate`'s ranges (``gate_*``); a HELLO cannot evict a live worker by
+reusing its id (``hello_refused_id_in_use``) and at most ``gate.max_peers`` workers are served
+(``hello_refused_max_peers``); a peer that became unroutable is dropped at once. With CURVE, only the
+worker keys of ``transport.curve_allowed_keys[_file]`` pass the ZAP handshake (``curve_keys_refused``).
+ZeroMQ drops a connection whose frame exceeds ``max_message_bytes`` without saying why; a socket
+monitor counts every ended connection (``connections_dropped``) and failed handshake.
+
+Shutdown: the pool sends SHUTDOWN to every worker it greeted and reads the socket until each answers
+BYE (at most ``SHUTDOWN_ACK_S``) before closing it. A worker's DEALER has ``IMMEDIATE=1``, and libzmq
+then terminates a disconnected peer's pipe at once, discarding messages the application has not read
+yet: a pool that closed right after sending SHUTDOWN lost it whenever the worker's thread read late.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket as pysocket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from asyncrl._logging import Throttle
+from asyncrl.codec import DecodeError, decode, encode
+from asyncrl.config import GateConfig, TransportConfig
+from asyncrl.pool.gate import GateError, check_group
+from asyncrl.pool.buffer import RolloutPool
+from asyncrl.rollout import Group, Rollout
+from asyncrl.transport import protocol as P
+from asyncrl._zmq.curve import (
+    allowed_keys,
+    client_secret_key,
+    generate_curve_keys,
+    read_curve_keys_file,
+    start_authenticator,
+    write_curve_key_file,
+)
+from asyncrl._zmq.io import IOThread, drain, is_loopback_bind
+from asyncrl.transport.base import HandshakeTimeout, PeerLost, ReceivedLease, RolloutReceiver, RolloutSender
+
+__all__ = [
+    "ZmqRolloutReceiver",
+    "ZmqRolloutSender",
+    "check_bind_address",
+    "generate_curve_keys",
+    "read_curve_keys_file",
+    "write_curve_key_file",
+]
+
+logger = logging.getLogger(__name__)
+
+TICK_S = 0.005
+HOUSEKEEPING_S = 0.05
+SHUTDOWN_LINGER_MS = 1000
+MAX_DRAIN = 256
+KEEP_REJECTED = 4
+"""Rollouts refused by validation kept for the debugger (the last few, each at most KEEP_REJECTED_BYTES)."""
+KEEP_REJECTED_BYTES = 1 << 20
+EVICT_AFTER_HEARTBEATS = 2.5
+"""A HELLO reusing a connected worker's id evicts that worker only once it has been silent this many
+``heartbeat_s`` (a restarted process takes seconds to start); otherwise the newcomer is refused."""
+GREETED_PER_PEER = 4
+"""Identities remembered for SHUTDOWN and late groups: at most this many times ``gate.max_peers``."""
+SHUTDOWN_ACK_S = 2.0
+"""Longest a closing pool waits for its workers' BYE after SHUTDOWN (it reads the socket meanwhile)."""
+MAX_STATUS_KEYS = 64
+"""Most keys of a worker status (heartbeat) a pool keeps; a bigger status is ignored (the previous one stays),
+counted as ``statuses_refused`` and named in ``recent_errors``. The largest status a worker sends today has 30 keys (a
+streaming worker with weight verification and shadow or delta counters; 23 before streaming's occupancy split);
+a worker that builds a bigger one logs an error itself (``RolloutWorker._report``)."""
+WITHHELD = ("window", "capacity", "bytes", "no_prompt")
+"""Why the pool granted no credit to a worker that had free ones (:attr:`asyncrl.pool.buffer.RolloutPool.withheld`); the
+seconds of each are in the worker's entry of :meth:`ZmqRolloutReceiver.stats` as ``credits_withheld_{why}_s``:
+``window`` is the staleness window (groups leased and buffered that the trainer has not taken: a trainer slower
+than the workers), ``capacity`` the pool's ``capacity``, ``bytes`` its ``max_buffer_bytes``, ``no_prompt`` nothing
+left to lease. A worker short of leases with none of these growing is waiting on the credit round trip."""
+_MONITOR_EVENTS = {
+    zmq.EVENT_ACCEPTED: "connections_accepted",
+    zmq.EVENT_DISCONNECTED: "connections_dropped",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshakes_failed",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshakes_failed_protocol",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshakes_failed_auth",
+}
+
+
+def check_bind_address(config: TransportConfig) -> None:
+    """Refuses a non-loopback TCP bind without CURVE unless explicitly allowed.
+
+    Raises:
+        ValueError: naming the settings that fix it.
+    """
+    if not is_loopback_bind(config.bind) and config.curve_secret_key is None and not config.allow_insecure_remote:
+        raise ValueError(
+            f"refusing to bind {config.bind!r} beyond loopback without authentication: set "
+            "transport.curve_secret_key/curve_public_key (asyncrl.transport.zmq.generate_curve_keys) "
+            "or transport.allow_insecure_remote=True on a trusted network"
+        )
+
+
+@dataclass(slots=True)
+class _Peer:
+    identity: bytes
+    worker_id: str
+    slots: int
+    pid: int
+    host: str
+    joined: float
+    last_seen: float
+    groups: int = 0
+    status: dict[str, Any] | None = None
+    streaming: bool = False
+    """The worker streams (continuous batching): every free credit is granted at once, not topped up in halves."""
+    withheld_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(WITHHELD, 0.0))
+    """Seconds this worker asked for credits (it had free ones) and the pool granted none, by the pool's reason."""
+    withheld: str | None = None
+    """The pool's reason at the last grant pass (the time until the next pass is counted under it)."""
+
+
+class ZmqRolloutReceiver(RolloutReceiver):
+    """Pool-side end: a ROUTER served by one I/O thread.
+
+    Args:
+        config: transport settings.
+        pool: the pool fed by this receiver.
+        prompt_fn: ``prompt_index -> prompt`` (msgpack-able), sent with each lease.
+        rank: the trainer rank of the pool.
+        world_size: number of trainer ranks.
+        gate: what is admitted from workers (ranges, per-peer caps); default :class:`GateConfig`.
+
+    Raises:
+        ValueError: for a non-loopback bind without CURVE, or a CURVE pool without an allow-list of worker
+            keys (``transport.curve_allowed_keys[_file]``, or ``transport.curve_allow_any_client``).
+    """
+
+    def __init__(
+        self,
+        config: TransportConfig,
+        pool: RolloutPool,
+        prompt_fn: Callable[[int], Any],
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        gate: GateConfig | None = None,
+    ):
+        check_bind_address(config)
+        self._allowed = allowed_keys(config)
+        if config.curve_secret_key is not None and not self._allowed and not config.curve_allow_any_client:
+            raise ValueError(
+                "a CURVE pool needs an allow-list of worker public keys: set transport.curve_allowed_keys or "
+                "transport.curve_allowed_keys_file (asyncrl.transport.zmq.write_curve_key_file makes a "
+                "worker's key), or transport.curve_allow_any_client=True to serve any key"
+            )
+        self.gate = gate or GateConfig()
+        self.config = config
+        self.pool = pool
+        self.prompt_fn = prompt_fn
+        self.rank = rank
+        self.world_size = world_size
+        self._io = IOThread(self, f"asyncrl-receiver-rank{rank}")
+        self._ctx, self._stop = self._io.ctx, self._io.stop
+        self._ready = threading.Event()
+        self._cancel = threading.Event()
+        self._shutdown_workers = True
+        self._endpoint: str | None = None
+        self._start_error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._counters: collections.Counter[str] = collections.Counter()
+        self._recent_errors: collections.deque[tuple[str, str]] = collections.deque(maxlen=32)
+        self._rejected: collections.deque[dict[str, Any]] = collections.deque(maxlen=KEEP_REJECTED)
+        self._throttle = Throttle(logger)  # repeated warnings (a prompt failing on every worker)
+        self._peers: dict[bytes, _Peer] = {}
+        self._granted_at = time.monotonic()
+        # identity -> worker id of every identity welcomed, oldest first, bounded (I/O thread only)
+        self._greeted: collections.OrderedDict[bytes, str] = collections.OrderedDict()
+        self._unroutable: set[bytes] = set()  # identities whose last send failed as unroutable (I/O thread)
+
+    # -- public --------------------------------------------------------------------------------
+    def start(self) -> str:
+        if not self._io.started:
+            self._io.start(self._run)
+            if not self._ready.wait(30):
+                raise TimeoutError(f"rollout receiver did not bind {self.config.bind} within 30 s")
+            if self._start_error is not None:
+                raise RuntimeError(f"rollout receiver could not bind {self.config.bind!r}") from self._start_error
+        assert self._endpoint is not None
+        return self._endpoint
+
+    @property
+    def endpoint(self) -> str:
+        if self._endpoint is None:
+            raise RuntimeError("receiver not started; call start() first")
+        return self._endpoint
+
+    def cancel_all(self) -> None:
+        self._cancel.set()
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = dict(self._counters)
+            out["recent_errors"] = list(self._recent_errors)
+            out["workers"] = {
+                p.worker_id: {"pid": p.pid, "host": p.host, "slots": p.slots, "groups": p.groups, **(p.status or {}),
+                              **{f"credits_withheld_{why}_s": round(v, 4) for why, v in p.withheld_s.items()}}
+                for p in self._peers.values()
+            }
+        return out
+
+    def close(self, shutdown_workers: bool = True) -> None:
+        self._shutdown_workers = shutdown_workers
+        self._io.close()  # joins the I/O thread, which closes its socket; then the context
+
+    # -- I/O thread ----------------------------------------------------------------------------
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[key] += n
+
+    def _bad(self, identity: bytes, error: DecodeError) -> None:
+        with self._lock:
+            self._counters["bad_messages"] += 1
+            peer = self._peers.get(identity)
+            who = peer.worker_id if peer is not None else identity.hex()
+            self._recent_errors.append((who, str(error)[:300]))
+        if self._counters["bad_messages"] <= 10 or self._counters["bad_messages"] % 1000 == 0:
+            logger.warning("rank %d: rejected message from peer %s: %s", self.rank, identity.hex(), error)
+
+    def _open(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable sends raise instead of vanishing
+        sock.setsockopt(zmq.SNDHWM, self.config.hwm)
+        sock.setsockopt(zmq.RCVHWM, self.config.hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
+        if self.config.curve_secret_key is not None:
+            sock.curve_secretkey = self.config.curve_secret_key.encode()
+            sock.curve_publickey = self.config.curve_public_key.encode()  # type: ignore[union-attr]
+            sock.curve_server = True
+        sock.bind(self.config.bind)
+        return sock
+
+    def _start_auth(self) -> Any:
+        """The ZAP handler of a CURVE pool (before bind: libzmq asks it at every CURVE handshake)."""
+        if self.config.curve_secret_key is None:
+            return None
+        return start_authenticator(self._ctx, self._allowed, self._count)
+
+    def _run(self) -> None:
+        auth = monitor = None
+        try:
+            auth = self._start_auth()
+            sock = self._open()
+            monitor = sock.get_monitor_socket(sum(_MONITOR_EVENTS))
+            self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except Exception as e:  # reported to start() in the caller's thread
+            self._start_error = e
+            self._ready.set()
+            if auth is not None:
+                auth.stop()
+            return
+        self._ready.set()
+        try:
+            self._loop(sock, monitor)
+        except BaseException as e:  # thread boundary: the trainer's next() re-raises it
+            logger.exception("rank %d: rollout receiver died", self.rank)
+            self.pool.fail(e)
+        finally:
+            said_goodbye = self._say_shutdown(sock) if self._shutdown_workers else False
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            # linger=0 would drop SHUTDOWNs still queued in libzmq; give them a bounded moment to leave.
+            sock.close(linger=SHUTDOWN_LINGER_MS if said_goodbye else 0)
+            if auth is not None:
+                auth.stop()
+
+    def _say_shutdown(self, sock: zmq.Socket) -> bool:
+        """SHUTDOWN to every worker greeted (reaped ones included: they may re-join) and to any identity heard
+        from meanwhile (a worker whose connection was re-made), then reads the socket until each answers BYE,
+        at most ``SHUTDOWN_ACK_S``. The wait matters: a worker's DEALER has ``IMMEDIATE=1``, with which
+        libzmq drops a disconnected pipe's unread messages, so a SHUTDOWN still unread when the pool closed
+        the connection was lost (seen under load: the worker waited, then exited with PeerLost; 2 of 30 runs
+        of test_worker_serves_the_pools_that_answer with a core busy). Returns whether any SHUTDOWN left."""
+        told = {identity for identity in [*self._greeted, *self._peers] if self._send(sock, identity, P.SHUTDOWN, {})}
+        waiting = set(told)
+        deadline = time.monotonic() + SHUTDOWN_ACK_S
+
+        def on_message(frames: list[zmq.Frame]) -> None:
+            identity = frames[0].bytes
+            try:
+                kind, _ = decode(frames[1:], max_message_bytes=self.config.max_message_bytes)
+            except DecodeError:
+                return
+            if kind == P.BYE:
+                waiting.discard(identity)
+            elif identity not in told and len(told) < GREETED_PER_PEER * self.gate.max_peers:
+                if self._send(sock, identity, P.SHUTDOWN, {}):
+                    told.add(identity)
+                    waiting.add(identity)
+
+        while waiting and (remaining := deadline - time.monotonic()) > 0:
+            if sock.poll(max(1, int(min(remaining, 0.05) * 1000))):
+                drain(sock, on_message, MAX_DRAIN)
+        self._count("shutdown_unacknowledged", len(waiting))
+        return bool(told)
+
+    def _loop(self, sock: zmq.Socket, monitor: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        next_heartbeat = next_housekeeping = 0.0
+        while not self._stop.is_set():
+            events = dict(poller.poll(int(TICK_S * 1000)))
+            if sock in events:
+                drain(sock, lambda frames: self._handle(sock, frames), MAX_DRAIN)
+            if monitor in events:
+                drain(monitor, self._monitor_event, MAX_DRAIN)
+            now = time.monotonic()
+            if self._cancel.is_set():
+                self._cancel.clear()
+                # only leases older than the pool's timeline: ones granted since the reset stay valid
+                for identity in list(self._peers):
+                    self._send(sock, identity, P.CANCEL, {"min_lease_id": self.pool.min_lease_id})
+            if now >= next_housekeeping:  # deadlines are seconds; no need to scan every pass
+                next_housekeeping = now + HOUSEKEEPING_S
+                self._count("leases_expired", len(self.pool.expire(now)))
+                self._reap(now)
+            if now >= next_heartbeat:
+                next_heartbeat = now + self.config.heartbeat_s
+                for identity in list(self._peers):
+                    self._send(sock, identity, P.HEARTBEAT, {"policy_version": self.pool.policy_version,
+                                                             "incarnation": self.pool.incarnation})
+            self._grant(sock, now)
+            self._drop_unroutable()
+
+    def _monitor_event(self, frames: list[zmq.Frame]) -> None:
+        event = int.from_bytes(frames[0].bytes[:2], "little")
+        name = _MONITOR_EVENTS.get(event)
+        if name is not None:
+            self._count(name)
+
+    def _send(self, sock: zmq.Socket, identity: bytes, kind: str, body: dict[str, Any]) -> bool:
+        try:
+            sock.send_multipart([identity, *encode(kind, body)], zmq.NOBLOCK, copy=False)
+            return True
+        except (zmq.Again, zmq.ZMQError) as e:  # peer gone (ROUTER_MANDATORY) or its queue is full
+            self._count(f"send_failed_{kind}")
+            if isinstance(e, zmq.ZMQError) and e.errno == zmq.EHOSTUNREACH:
+                self._unroutable.add(identity)  # its connection is gone: dropped after this pass
+            logger.debug("rank %d: cannot send %s to %s: %s", self.rank, kind, identity.hex(), e)
+            return False
+
+    def _drop_unroutable(self) -> None:
+        """Peers whose connection is gone are dropped at once (their leases re-issued), and forgotten."""
+        for identity in self._unroutable:
+            self._greeted.pop(identity, None)
+            if identity in self._peers:
+                self._count("peers_unroutable")
+                self._drop_peer(identity, "workers_lost")
+        self._unroutable.clear()
+
+    def _handle(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
+        identity = frames[0].bytes
+        self._count("messages")
+        try:
+            kind, body = decode(frames[1:], max_message_bytes=self.config.max_message_bytes)
+            P.check_body(kind, body, P.WORKER_KINDS)
+        except DecodeError as e:
+            self._bad(identity, e)
+            return
+        now = time.monotonic()
+        peer = self._peers.get(identity)
+        if peer is not None:
+            peer.last_seen = now
+        if kind == P.HELLO:
+            self._hello(sock, identity, body, now)
+        elif kind == P.GROUP:
+            self._group(sock, identity, peer, body)
+        elif kind == P.FAILED:
+            self._count("leases_failed")
+            who = peer.worker_id if peer is not None else identity.hex()
+            self._throttle.warning("failed", "rank %d: worker %s failed lease %d: %s", self.rank, who,
+                                   body["lease_id"], body["error"][:500])
+            if peer is not None:  # counted against the prompt; poisoned after loader.max_prompt_failures
+                self.pool.lease_failed(body["lease_id"], peer.worker_id, body["error"][:2000])
+        elif kind == P.BYE:
+            self._greeted.pop(identity, None)  # it left: no SHUTDOWN owed
+            if peer is not None:
+                self._drop_peer(identity, "worker_left")
+        elif peer is None:  # heartbeat from a worker we declared dead or never met
+            self._send(sock, identity, P.RESYNC, {})
+        elif kind == P.HEARTBEAT and isinstance(body.get("status"), dict):
+            status = body["status"]
+            if len(status) <= MAX_STATUS_KEYS and all(isinstance(k, str) and isinstance(v, (int, float, str)) for k, v in status.items()):
+                peer.status = {k: v[:200] if isinstance(v, str) else v for k, v in status.items()}
+            else:  # the previous status stays; a worker whose status grew past the limit must not go unnoticed
+                self._refused(identity, "statuses_refused", f"a status of {len(status)} keys (at most "
+                              f"{MAX_STATUS_KEYS}, values int/float/str) was ignored; the previous one stays",
+                              peer.worker_id)
+
+    def _hello(self, sock: zmq.Socket, identity: bytes, body: dict[str, Any], now: float) -> None:
+        worker_id = body["worker_id"]
+        for other, p in list(self._peers.items()):
+            if p.worker_id == worker_id and other != identity:
+                if now - p.last_seen <= EVICT_AFTER_HEARTBEATS * self.config.heartbeat_s:
+                    # a live worker keeps its id: a newcomer reusing it is refused (it may retry HELLO)
+                    error = f"worker id {worker_id!r} is in use by a live peer"
+                    self._refused(identity, "hello_refused_id_in_use", error)
+                    return
+                self._drop_peer(other, "worker_restarted")  # restarted process, same id: the old one is silent
+                self._greeted.pop(other, None)
+        if identity not in self._peers and len(self._peers) >= self.gate.max_peers:
+            self._refused(identity, "hello_refused_max_peers", f"already serving gate.max_peers={self.gate.max_peers}")
+            return
+        slots = body["slots"]
+        if slots > self.gate.max_slots_per_peer:
+            self._count("slots_capped")
+            slots = self.gate.max_slots_per_peer
+        self._greeted.pop(identity, None)
+        self._greeted[identity] = worker_id
+        while len(self._greeted) > GREETED_PER_PEER * self.gate.max_peers:
+            self._greeted.popitem(last=False)
+        if identity not in self._peers:
+            self._count("workers_joined")
+            logger.info("rank %d: worker %s joined (pid %d on %s)", self.rank, worker_id, body["pid"], body["host"])
+        with self._lock:
+            self._peers[identity] = _Peer(identity, worker_id, slots, body["pid"], body["host"][:128], now, now,
+                                          streaming=body.get("streaming") is True)
+        self._send(
+            sock,
+            identity,
+            P.WELCOME,
+            {
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "group_size": self.pool.group_size,
+                "heartbeat_s": self.config.heartbeat_s,
+                "peer_timeout_s": self.config.peer_timeout_s,
+                "policy_version": self.pool.policy_version,
+                "incarnation": self.pool.incarnation,
+            },
+        )
+
+    def _refused(self, identity: bytes, reason: str, error: str, worker_id: str | None = None) -> None:
+        """Counts a refusal under ``reason``; the first few and then every power of two go to recent_errors
+        (a storm of refusals must not push every other error out)."""
+        with self._lock:
+            self._counters[reason] += 1
+            n = self._counters[reason]
+            if n <= 4 or n & (n - 1) == 0:
+                self._recent_errors.append((worker_id or identity.hex(), f"{reason}: {error}"[:300]))
+        if n <= 4 or n & (n - 1) == 0:
+            who = worker_id or identity.hex()
+            logger.warning("rank %d: refused peer %s (%s, %d so far): %s", self.rank, who, reason, n, error)
+
+    def _group(self, sock: zmq.Socket, identity: bytes, peer: _Peer | None, body: dict[str, Any]) -> None:
+        lease_id = body["lease_id"]
+        # a peer reaped after a late heartbeat is still known by the id it greeted with
+        worker_id = peer.worker_id if peer is not None else self._greeted.get(identity)
+        try:
+            group = Group.from_wire(body["group"], group_size=self.pool.group_size)
+            check_group(group, self.gate)
+        except GateError as e:
+            self._refused(identity, f"gate_{e.reason}", str(e), worker_id)
+            self._count("groups_refused")
+            self._keep_rejected(worker_id, body["group"], e)
+            if peer is not None:  # its lease is void: generate the prompt again elsewhere
+                self.pool.release_held(lease_id, peer.worker_id, "rejected")
+            return
+        except DecodeError as e:
+            self._bad(identity, e)
+            self._keep_rejected(worker_id, body["group"])
+            if peer is not None:  # its lease is void: generate the prompt again elsewhere
+                self.pool.release_held(lease_id, peer.worker_id, "rejected")
+            return
+        if worker_id is None or not self.pool.held_by(group.epoch, group.prompt_index, worker_id):
+            self._refused(
+                identity,
+                "not_leased_to_peer",
+                f"group {group.group_id} (lease {lease_id}) from a peer that holds no lease for it",
+                worker_id,
+            )
+            self._count("groups_refused")
+            if peer is None:
+                self._send(sock, identity, P.RESYNC, {})
+            return
+        accepted = self.pool.add_rollouts(group.rollouts, lease_id=lease_id)
+        self._count("groups_received")
+        if peer is None:
+            self._send(sock, identity, P.RESYNC, {})
+        else:
+            peer.groups += accepted > 0
+            self.pool.release_held(lease_id, peer.worker_id, "rejected")
+
+    def _keep_rejected(self, worker_id: str | None, group: Any, error: GateError | None = None) -> None:
+        """Keeps copies of the (small) rollouts of a refused group: the one the gate named, or those that
+        fail validation themselves."""
+        rollouts = group.get("rollouts") if isinstance(group, dict) else None
+        for d in rollouts if isinstance(rollouts, list) else ():
+            if not isinstance(d, dict):
+                continue
+            if error is not None:
+                if d.get("uid") != error.uid:
+                    continue
+                reason: Exception = error
+            else:
+                try:
+                    Rollout.from_wire(d)
+                    continue
+                except DecodeError as e:
+                    reason = e
+            tensors = [v for v in d.values() if hasattr(v, "nbytes")]
+            if sum(t.nbytes for t in tensors) <= KEEP_REJECTED_BYTES:
+                kept = {k: v.clone() if hasattr(v, "clone") else v for k, v in d.items()}
+                with self._lock:
+                    self._rejected.append({"worker": worker_id, "error": str(reason)[:300], "rollout": kept})
+
+    def rejected_rollouts(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._rejected)
+
+    def _drop_peer(self, identity: bytes, reason: str) -> None:
+        with self._lock:
+            peer = self._peers.pop(identity)
+            self._counters[reason] += 1
+        released = self.pool.release_worker(peer.worker_id, reason)
+        logger.info("rank %d: worker %s gone (%s); %d leases re-queued", self.rank, peer.worker_id, reason, len(released))
+
+    def _reap(self, now: float) -> None:
+        for identity, peer in list(self._peers.items()):
+            if now - peer.last_seen > self.config.peer_timeout_s:
+                self._drop_peer(identity, "workers_lost")
+
+    def _grant(self, sock: zmq.Socket, now: float) -> None:
+        # the time since the last pass counts as withheld for each worker the pool then withheld credits from
+        dt, self._granted_at = min(now - self._granted_at, 1.0), now
+        if not self._peers:
+            return
+        held = self.pool.outstanding()
+        blocked = None  # the pool granted nothing: nobody else gets any either, for the same reason
+        for identity, peer in list(self._peers.items()):
+            if peer.withheld is not None:
+                peer.withheld_s[peer.withheld] += dt
+            peer.withheld = None
+            if identity in self._unroutable:
+                continue
+            free = peer.slots - held[peer.worker_id]
+            # top up in batches (half the credits at once) unless the worker is about to run dry; a streaming
+            # worker refills a slot the moment a group leaves it, so it gets every free credit at once
+            if free <= 0 or (not peer.streaming and held[peer.worker_id] > 0 and free < max(1, peer.slots // 2)):
+                continue
+            if blocked is not None:
+                peer.withheld = blocked
+                continue
+            leases = self.pool.grant(peer.worker_id, free, now)
+            if not leases:
+                blocked = peer.withheld = self.pool.withheld or "no_prompt"
+                continue
+            peer.withheld = self.pool.withheld  # fewer than its free credits: the rest withheld
+            body = {
+                "policy_version": self.pool.policy_version,
+                "incarnation": self.pool.incarnation,
+                "leases": [
+                    {
+                        "lease_id": lease.lease_id,
+                        "epoch": lease.epoch,
+                        "prompt_index": lease.prompt_index,
+                        "attempt": lease.attempt,
+                        "group_size": self.pool.group_size,
+                        "prompt": self.prompt_fn(lease.prompt_index),
+                    }
+                    for lease in leases
+                ],
+            }
+            if not self._send(sock, identity, P.LEASES, body):
+                # never reached the worker: not a regeneration, and first in line for the next worker
+                self.pool.undeliver(leases)
+                self._count("leases_undeliverable", len(leases))
+            else:
+                self._count("leases_granted", len(leases))
+
+
+class ZmqRolloutSender(RolloutSender):
+    """Worker-side end: one DEALER per pool, owned by an I/O thread.
+
+    Args:
+        config: transport settings (heartbeats, timeouts, limits).
+        endpoints: the pools to serve, one per trainer rank.
+        worker_id: unique name of this worker (the pool re-issues the leases of a reused id).
+        slots: credits per pool: leases held at once.
+        streaming: the worker streams (``worker.streaming``): said in HELLO, the pool then grants each free credit
+            at once instead of topping up in halves.
+        server_key: the pools' CURVE public key, when they use CURVE; this worker's own key pair comes from
+            ``transport.curve_client_secret_key`` or ``transport.curve_client_key_file``.
+    """
+
+    def __init__(
+        self,
+        config: TransportConfig,
+        endpoints: Sequence[str],
+        *,
+        worker_id: str,
+        slots: int,
+        server_key: str | None = None,
+        streaming: bool = False,
+    ):
+        if not endpoints:
+            raise ValueError("a worker needs at least one pool endpoint to connect to")
+        self.config = config
+        self.endpoints = list(endpoints)
+        self.worker_id = worker_id
+        self.slots = slots
+        self.server_key = server_key
+        self.streaming = streaming
+        secret = client_secret_key(config)
+        # the pool's allow-list names this worker's public key; without a configured key, a throw-away pair
+        self._client_keys: tuple[bytes, bytes] = (
+            (zmq.curve_public(secret.encode()), secret.encode()) if secret is not None else zmq.curve_keypair()
+        )
+        self._io = IOThread(self, f"asyncrl-sender-{worker_id}")
+        self._ctx, self._stop = self._io.ctx, self._io.stop
+        self._out_addr = f"inproc://asyncrl-out-{id(self):x}"
+        self._cv = threading.Condition()
+        self._leases: collections.deque[ReceivedLease] = collections.deque()
+        self._welcomed = [False] * len(endpoints)
+        self._shutdown = [False] * len(endpoints)
+        self._lost = [False] * len(endpoints)
+        self._abandoned = [False] * len(endpoints)  # never welcomed within handshake_timeout_s
+        self._pending: list[collections.deque] = [collections.deque() for _ in endpoints]
+        self._bound = threading.Event()
+        self._error: BaseException | None = None
+        self._pusher: zmq.Socket | None = None
+        self.policy_version = 0
+        self.incarnation = ""
+        """The live trainer incarnation, as the pools last said (WELCOME, LEASES, HEARTBEAT)."""
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.status: dict[str, int | float | str] = {}
+        """Reported to every pool with each heartbeat (engine policy version, weight-sync failures, ...)."""
+
+    # -- main thread ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._io.start(self._run)
+        # Serve as soon as one pool answers; the I/O thread keeps greeting the others until
+        # handshake_timeout_s and then gives up on them (a rank that already finished, say).
+        deadline = time.monotonic() + self.config.handshake_timeout_s
+        with self._cv:
+            while not any(self._welcomed) and self._error is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cv.wait(remaining)
+        if self._error is not None:
+            self.close()
+            raise self._error
+        if not any(self._welcomed):
+            self.close()
+            raise HandshakeTimeout(
+                f"worker {self.worker_id}: no WELCOME from {self.endpoints} within {self.config.handshake_timeout_s} s; "
+                "check the address and that the trainer is running (transport.handshake_timeout_s)"
+            )
+        self._bound.wait()
+        self._pusher = self._ctx.socket(zmq.PUSH)
+        self._pusher.setsockopt(zmq.LINGER, -1)
+        self._pusher.connect(self._out_addr)
+
+    def take_leases(self, max_leases: int, timeout: float) -> list[ReceivedLease]:
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while not self._leases and self._error is None and not self.done:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return []
+                self._cv.wait(remaining)
+            if self._error is not None:
+                raise self._error
+            out = []
+            while self._leases and len(out) < max_leases:
+                out.append(self._leases.popleft())
+            return out
+
+    def send_group(self, lease: ReceivedLease, group: Group) -> None:
+        self._push(lease.conn, encode(P.GROUP, {"lease_id": lease.lease_id, "group": group.to_wire()}))
+
+    def send_failed(self, lease: ReceivedLease, error: str) -> None:
+        self._push(lease.conn, encode(P.FAILED, {"lease_id": lease.lease_id, "error": error[:2000]}))
+
+    def _push(self, conn: int, frames: list) -> None:
+        if self._pusher is None:
+            raise RuntimeError("sender not started")
+        self._pusher.send_multipart([b"%d" % conn, *frames], copy=False)
+
+    @property
+    def done(self) -> bool:
+        """Every pool said SHUTDOWN (pools that never answered the handshake are not waited for)."""
+        return any(self._shutdown) and all(sd or ab for sd, ab in zip(self._shutdown, self._abandoned))
+
+    def close(self) -> None:
+        if self._pusher is not None:
+            self._pusher.close()  # LINGER -1: everything pushed reaches the I/O thread first
+            self._pusher = None
+        self._io.close()
+
+    # -- I/O thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        pull = self._ctx.socket(zmq.PULL)
+        pull.bind(self._out_addr)
+        self._bound.set()
+        dealers = [self._dealer(ep) for ep in self.endpoints]
+        try:
+            self._loop(pull, dealers)
+        except BaseException as e:  # thread boundary: take_leases() re-raises it in the main thread
+            logger.exception("worker %s: sender I/O thread died", self.worker_id)
+            with self._cv:
+                self._error = e
+                self._cv.notify_all()
+        finally:
+            self._drain(pull, dealers)
+            for i, d in enumerate(dealers):
+                if not self._shutdown[i] and not self._lost[i]:
+                    self._send(d, P.BYE, {})
+                d.close(linger=2000)  # let groups already queued reach the pool
+            pull.close(linger=0)
+
+    def _dealer(self, endpoint: str) -> zmq.Socket:
+        d = self._ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a pool that is not connected
+        d.setsockopt(zmq.SNDHWM, self.config.hwm)
+        d.setsockopt(zmq.RCVHWM, self.config.hwm)
+        d.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
+        if self.server_key is not None:
+            public, secret = self._client_keys
+            d.curve_serverkey = self.server_key.encode()
+            d.curve_publickey, d.curve_secretkey = public, secret
+        d.connect(endpoint)
+        return d
+
+    def _hello(self, d: zmq.Socket) -> None:
+        body = {
+            "worker_id": self.worker_id,
+            "slots": self.slots,
+            "pid": os.getpid(),
+            "host": pysocket.gethostname(),
+            "protocol": P.PROTOCOL_VERSION,
+        }
+        if self.streaming:
+            body["streaming"] = True
+        self._send(d, P.HELLO, body)
+
+    def _send(self, d: zmq.Socket, kind: str, body: dict[str, Any]) -> None:
+        try:
+            d.send_multipart(encode(kind, body), zmq.NOBLOCK)
+        except zmq.Again:  # queue to that pool is full; heartbeats and hellos are retried anyway
+            self.counters[f"send_dropped_{kind}"] += 1
+
+    def _drain(self, pull: zmq.Socket, dealers: list[zmq.Socket]) -> None:
+        """Forwards groups from the main thread; never blocks (heartbeats must keep flowing)."""
+        for conn, d in enumerate(dealers):
+            self._flush(conn, d)
+        for _ in range(100_000):
+            try:
+                frames = pull.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            conn = int(frames[0].bytes)
+            self._pending[conn].append(frames[1:])
+            self._flush(conn, dealers[conn])
+
+    def _flush(self, conn: int, d: zmq.Socket) -> None:
+        pending = self._pending[conn]
+        while pending:
+            if self._shutdown[conn] or self._lost[conn] or self._abandoned[conn]:
+                # that pool is gone: its leases are re-issued by the ledger (or by a resumed run)
+                self.counters["groups_dropped_pool_gone"] += len(pending)
+                pending.clear()
+                return
+            try:
+                d.send_multipart(pending[0], zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # pool's queue full or reconnecting: retry on the next loop
+                return
+            pending.popleft()
+
+    def _loop(self, pull: zmq.Socket, dealers: list[zmq.Socket]) -> None:
+        poller = zmq.Poller()
+        poller.register(pull, zmq.POLLIN)
+        for d in dealers:
+            poller.register(d, zmq.POLLIN)
+        n = len(dealers)
+        now = time.monotonic()
+        handshake_deadline = now + self.config.handshake_timeout_s
+        last_seen = [now] * n
+        next_hello = [0.0] * n
+        next_heartbeat = now + self.config.heartbeat_s
+        while not self._stop.is_set():
+            events = dict(poller.poll(20))
+            self._drain(pull, dealers)
+            now = time.monotonic()
+            for i, d in enumerate(dealers):
+                if d in events and drain(d, lambda frames, i=i, d=d: self._handle(i, d, frames), MAX_DRAIN):
+                    last_seen[i] = now
+                    self._lost[i] = False
+                if not self._welcomed[i] and not self._abandoned[i] and now >= next_hello[i]:
+                    if now > handshake_deadline:
+                        self._abandoned[i] = True
+                        logger.warning(
+                            "worker %s: no WELCOME from %s within %s s (transport.handshake_timeout_s); not serving it",
+                            self.worker_id, self.endpoints[i], self.config.handshake_timeout_s,
+                        )
+                    else:
+                        self._hello(d)
+                        next_hello[i] = now + self.config.heartbeat_s
+                if self._welcomed[i] and not self._shutdown[i] and now - last_seen[i] > self.config.peer_timeout_s:
+                    self._lost[i] = True
+            if now >= next_heartbeat:
+                next_heartbeat = now + self.config.heartbeat_s
+                for i, d in enumerate(dealers):
+                    if self._welcomed[i] and not self._shutdown[i]:
+                        self._send(d, P.HEARTBEAT, {"status": dict(self.status)})
+            live = [i for i in range(n) if self._welcomed[i] and not self._shutdown[i]]
+            if live and all(self._lost[i] for i in live) and not any(
+                not self._welcomed[i] and not self._abandoned[i] for i in range(n)
+            ):
+                raise PeerLost(
+                    f"worker {self.worker_id}: pools {[self.endpoints[i] for i in live]} silent for more than "
+                    f"{self.config.peer_timeout_s} s (transport.peer_timeout_s)"
+                )
+            if self.done:
+                with self._cv:
+                    self._cv.notify_all()
+
+    def _handle(self, conn: int, d: zmq.Socket, frames: list[zmq.Frame]) -> None:
+        try:
+            kind, body = decode(frames, max_message_bytes=self.config.max_message_bytes)
+            P.check_body(kind, body, P.POOL_KINDS)
+            leases = self._leases_of(conn, body) if kind == P.LEASES else []
+        except DecodeError as e:
+            self.counters["bad_messages"] += 1
+            logger.warning("worker %s: bad message from %s: %s", self.worker_id, self.endpoints[conn], e)
+            return
+        with self._cv:
+            if isinstance(body.get("incarnation"), str):  # the live trainer incarnation (asyncrl.pool.timeline)
+                self.incarnation = body["incarnation"][:64]
+            if kind == P.WELCOME:
+                self._welcomed[conn] = True
+                self.policy_version = max(self.policy_version, body["policy_version"])
+            elif kind == P.LEASES:
+                self.policy_version = max(self.policy_version, body["policy_version"])
+                self._leases.extend(leases)
+            elif kind == P.HEARTBEAT:
+                pv = body.get("policy_version")
+                if isinstance(pv, int):
+                    self.policy_version = max(self.policy_version, pv)
+            elif kind == P.CANCEL:
+                # drop only leases of the abandoned timeline: ones the pool granted since its reset (it may
+                # grant before its CANCEL leaves) stay valid, or they would be held until lease_timeout_s
+                floor = body.get("min_lease_id")
+                if not isinstance(floor, int) or isinstance(floor, bool):
+                    floor = None  # a pool that names no floor: every queued lease of that connection
+                void = {id(x) for x in self._leases if x.conn == conn and (floor is None or x.lease_id < floor)}
+                self.counters["cancels_received"] += 1
+                self.counters["leases_cancelled"] += len(void)
+                self._leases = collections.deque(x for x in self._leases if id(x) not in void)
+            elif kind == P.RESYNC:
+                self._hello(d)
+            elif kind == P.SHUTDOWN:
+                if not self._shutdown[conn]:
+                    # the acknowledgement the closing pool waits for: until it closes the connection, libzmq
+                    # (IMMEDIATE=1) would drop what we have not read yet
+                    self._send(d, P.BYE, {})
+                self._shutdown[conn] = True
+            self._cv.notify_all()
+
+    def _leases_of(self, conn: int, body: dict[str, Any]) -> list[ReceivedLease]:
+        out = []
+        for item in body["leases"]:
+            if not isinstance(item, dict):
+                raise DecodeError("lease must be a map")
+            ints = {}
+            for key in ("lease_id", "epoch", "prompt_index", "group_size"):
+                value = item.get(key)
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise DecodeError(f"lease.{key} must be an int")
+                ints[key] = value
+            incarnation = body.get("incarnation")
+            out.append(ReceivedLease(conn=conn, prompt=item.get("prompt"), policy_version=body["policy_version"],
+                                     incarnation=incarnation[:64] if isinstance(incarnation, str) else "", **ints))
+        return out
