@@ -41,14 +41,10 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 from asyncrl.rewards.reward_set import RewardError
 from asyncrl.transport import ReceivedLease
+from workers.context import WorkerContext
 from workers.engines.base import Completion, Finished, GenerationRequest
-
-if TYPE_CHECKING:
-    from workers.worker import RolloutWorker
 
 __all__ = ["POLL_S", "StreamingLoop"]
 
@@ -74,11 +70,12 @@ class StreamingLoop:
     """Serves a worker's leases through a streaming engine until SHUTDOWN (see the module docstring).
 
     Args:
-        worker: the worker whose engine (``engine.streaming``), sender, weights, rewards and counters it uses.
+        worker: the worker whose engine (``engine.streaming``), sender, weights, rewards and counters it uses
+            (:class:`~workers.context.WorkerContext`).
         slots: most leases whose requests are inside the engine at once (``worker.slots``).
     """
 
-    def __init__(self, worker: RolloutWorker, slots: int):
+    def __init__(self, worker: WorkerContext, slots: int):
         if not worker.engine.streaming:
             raise ValueError(f"worker.streaming needs an engine that streams; {type(worker.engine).__name__} does not "
                              "(set worker.streaming: false)")
@@ -132,7 +129,7 @@ class StreamingLoop:
                 w.busy_s += dt
             if time.perf_counter() - self._last_report > REPORT_S:
                 self._last_report = time.perf_counter()
-                w._report()
+                w.report()
 
     def _poll(self, timeout: float) -> list[Finished]:
         e = self.w.engine
@@ -199,7 +196,7 @@ class StreamingLoop:
             self.w.engine.submit(key, request)
         except Exception as e:  # deliberate fault tolerance: this lease fails, the batch goes on
             del self.in_flight[key]
-            self.w._lease_failed(lease, e)
+            self.w.lease_failed(lease, e)
 
     def _apply_staged(self) -> None:
         """Between two polls: the newest staged update, with requests in flight (the worker times the pause)."""
@@ -210,7 +207,7 @@ class StreamingLoop:
 
     def _lost(self) -> None:
         w = self.w
-        w._throttle.error("requests_lost", "worker %s: the engine holds none of the %d requests submitted and not "
+        w.throttle.error("requests_lost", "worker %s: the engine holds none of the %d requests submitted and not "
                           "returned (Engine.in_flight() == 0); submitting them again", w.worker_id, len(self.in_flight))
         entries, self.in_flight = list(self.in_flight.values()), {}
         for entry in entries:
@@ -228,7 +225,7 @@ class StreamingLoop:
                 logger.warning("worker %s: engine returned unknown request key %d", self.w.worker_id, f.key)
                 continue
             if f.error is not None:
-                self.w._lease_failed(entry.lease, f.error)
+                self.w.lease_failed(entry.lease, f.error)
             elif f.aborted or entry.incarnation != self.w.engine.incarnation:
                 # aborted by an in-flight update, or generated (in part) under another trainer incarnation's
                 # weights: nothing of it is sent; the lease is generated again, once per abort
@@ -246,10 +243,6 @@ class StreamingLoop:
         reward_s = (time.perf_counter() - t0) / len(done)
         for (entry, completions), scored in zip(done, scores):
             if isinstance(scored, RewardError):  # this group's reward failed: its lease alone
-                w._lease_failed(entry.lease, scored)
+                w.lease_failed(entry.lease, scored)
                 continue
-            group = w._group(entry.lease, completions, scored, t0 - entry.submitted, reward_s)
-            w.sender.send_group(entry.lease, group)
-            w.groups_sent += 1
-            w.rollouts_sent += len(group.rollouts)
-            w.tokens_generated += sum(int(r.response_ids.numel()) for r in group.rollouts)
+            w.send_group(entry.lease, w.make_group(entry.lease, completions, scored, t0 - entry.submitted, reward_s))

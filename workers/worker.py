@@ -3,8 +3,8 @@
 Two loops, picked by ``worker.streaming``: this module's static one (below: ``max_batch`` leases per
 ``engine.generate`` call, the batch waits for its longest row; the baseline), and the streaming one of
 :mod:`workers.streaming` (continuous batching: ``slots`` leases in the engine at once, each group sent the
-moment it is done, weight updates applied in flight). Both share this class's weights, rewards, failure
-reports and status.
+moment it is done, weight updates applied in flight). Both serve through this class's weights, rewards, failure
+reports and status, as a :class:`~workers.context.WorkerContext`.
 
 ::
 
@@ -44,16 +44,17 @@ from typing import Any
 from asyncrl._logging import Throttle
 from asyncrl.config import FaultConfig, TransportConfig, WorkerConfig
 from asyncrl.data.images import image_provenance, prompt_images
+from asyncrl.rewards.legacy import RewardFn
 from asyncrl.rewards.reward_set import RewardError, RewardSet
 from asyncrl.rollout import Group, Rollout, make_group_id
 from asyncrl.transport import ReceivedLease, RolloutSender, setup_rollout_sender
 from asyncrl.transport.zmq import MAX_STATUS_KEYS
 from asyncrl.weights.verify import WeightVerifier
-from workers.engines import Completion, Engine, GenerationRequest, build_engine
 from workers import faults
+from workers.engines import Completion, Engine, GenerationRequest, build_engine
 from workers.environments import Environment, env_reward, load_environment, run_episodes
 from workers.partial import generate_interruptible
-from asyncrl.rewards.legacy import RewardFn
+from workers.streaming import StreamingLoop
 
 __all__ = ["RolloutWorker", "run_worker"]
 
@@ -61,7 +62,7 @@ logger = logging.getLogger(__name__)
 
 
 class RolloutWorker:
-    """Generates groups for the leases a :class:`RolloutSender` receives.
+    """Generates groups for the leases a :class:`RolloutSender` receives (a :class:`~workers.context.WorkerContext`).
 
     Args:
         worker_id: unique name, stamped on every rollout.
@@ -118,7 +119,7 @@ class RolloutWorker:
         self.weight_failures = 0
         self.lease_failures = 0
         """Leases reported FAILED (each failed alone, after its batch failed)."""
-        self._throttle = Throttle(logger)  # a failure that repeats logs a few lines, then one per interval
+        self.throttle = Throttle(logger)  # a failure that repeats logs a few lines, then one per interval
         self.busy_s = 0.0
         """Seconds spent generating and rewarding (the rest of ``uptime_s`` the worker waited for leases or weights)."""
         self.weight_apply_s = 0.0
@@ -132,8 +133,6 @@ class RolloutWorker:
         """Seconds ``engine.apply_weights`` took while requests were in flight (the in-flight pause), newest last."""
         self.inflight_updates = 0
         if streaming:
-            from workers.streaming import StreamingLoop
-
             engine.weights_in_flight = weights_in_flight
             self._loop: StreamingLoop | None = StreamingLoop(self, slots)  # refuses an engine that does not stream
         else:
@@ -152,7 +151,7 @@ class RolloutWorker:
             if leases:
                 self.step(leases)
 
-    def _report(self) -> None:
+    def report(self) -> None:
         """What the pools see of this worker in their stats (sent with heartbeats)."""
         if self.sender is None:
             return
@@ -165,7 +164,7 @@ class RolloutWorker:
             "weight_apply_s": round(self.weight_apply_s, 4),
             "uptime_s": round(time.perf_counter() - self.started, 4),
             "leases_failed": self.lease_failures,
-            "log_lines_suppressed": self._throttle.suppressed_total,
+            "log_lines_suppressed": self.throttle.suppressed_total,
         }
         occupancy = self.engine.occupancy()  # cumulative busy / capacity sequence-seconds (Engine.occupancy)
         if occupancy:
@@ -198,7 +197,7 @@ class RolloutWorker:
             if self.verifier is not None:
                 status.update(self.verifier.status())
         if len(status) > MAX_STATUS_KEYS:  # the pool would refuse it whole, policy_version included
-            self._throttle.error("status_too_big", "worker %s: its status has %d keys, more than the pool keeps "
+            self.throttle.error("status_too_big", "worker %s: its status has %d keys, more than the pool keeps "
                                  "(MAX_STATUS_KEYS=%d); the pool keeps the previous one", self.worker_id, len(status),
                                  MAX_STATUS_KEYS)
         self.sender.status = status
@@ -207,7 +206,7 @@ class RolloutWorker:
         """Safe point: applies the newest fully staged weights, then commits their version."""
         if self.weights is None:
             return False
-        self._report()
+        self.report()
         update = update if update is not None else self.weights.poll()
         if update is None:
             return False
@@ -226,7 +225,7 @@ class RolloutWorker:
             self.engine.incarnation = update.incarnation
         except Exception:  # deliberate fault tolerance: keep generating with the version we have
             self.weight_failures += 1
-            self._throttle.error("weights_failed", "worker %s: applying weights of version %d failed",
+            self.throttle.error("weights_failed", "worker %s: applying weights of version %d failed",
                                  self.worker_id, update.version, exc_info=True)
             return False
         finally:
@@ -235,7 +234,7 @@ class RolloutWorker:
             self._verify(update, plan)
         self.weights.commit(update.version)
         logger.info("worker %s: now at policy version %d", self.worker_id, update.version)
-        self._report()
+        self.report()
         return True
 
     def _verify(self, update: Any, plan: Any) -> None:
@@ -247,11 +246,11 @@ class RolloutWorker:
             self.verifier = None
             return
         except Exception:  # deliberate fault tolerance: a failed check must not stop generation
-            self._throttle.error("verify_failed", "worker %s: verifying weights of version %d failed",
+            self.throttle.error("verify_failed", "worker %s: verifying weights of version %d failed",
                                  self.worker_id, update.version, exc_info=True)
             return
         if result is not None and not result.ok:
-            self._throttle.error("weight_mismatch", "worker %s: weight_mismatch: %s", self.worker_id,
+            self.throttle.error("weight_mismatch", "worker %s: weight_mismatch: %s", self.worker_id,
                                  result.describe())
 
     def step(self, leases: Sequence[ReceivedLease]) -> None:
@@ -303,30 +302,34 @@ class RolloutWorker:
             return
         for lease, group in zip(leases, groups):
             if isinstance(group, RewardError):  # this group's reward failed: its lease alone, nothing regenerated
-                self._lease_failed(lease, group)
+                self.lease_failed(lease, group)
                 continue
-            self.sender.send_group(lease, group)
-            self.groups_sent += 1
-            self.rollouts_sent += len(group.rollouts)
-            self.tokens_generated += sum(int(r.response_ids.numel()) for r in group.rollouts)
-        self._report()
+            self.send_group(lease, group)
+        self.report()
+
+    def send_group(self, lease: ReceivedLease, group: Group) -> None:
+        """Sends a lease's group back to the pool that granted it, and counts it."""
+        self.sender.send_group(lease, group)
+        self.groups_sent += 1
+        self.rollouts_sent += len(group.rollouts)
+        self.tokens_generated += sum(int(r.response_ids.numel()) for r in group.rollouts)
 
     def _failed(self, leases: Sequence[ReceivedLease], error: Exception) -> None:
         """Reports a failed lease to its pool; a failed batch of several is retried lease by lease first."""
         text = "".join(traceback.format_exception_only(type(error), error)).strip()
         if len(leases) > 1:
-            self._throttle.warning("batch_failed", "worker %s: batch of %d leases failed (%s); generating them one "
+            self.throttle.warning("batch_failed", "worker %s: batch of %d leases failed (%s); generating them one "
                                    "at a time", self.worker_id, len(leases), text[:300])
             for lease in leases:
                 self.step([lease])
             return
-        self._lease_failed(leases[0], error)
+        self.lease_failed(leases[0], error)
 
-    def _lease_failed(self, lease: ReceivedLease, error: Exception) -> None:
+    def lease_failed(self, lease: ReceivedLease, error: Exception) -> None:
         """Reports one lease FAILED with the error's text (the pool counts it against the prompt)."""
         text = "".join(traceback.format_exception_only(type(error), error)).strip()
         self.lease_failures += 1
-        self._throttle.warning("lease_failed", "worker %s: lease %d (prompt %d of epoch %d) failed",
+        self.throttle.warning("lease_failed", "worker %s: lease %d (prompt %d of epoch %d) failed",
                                self.worker_id, lease.lease_id, lease.prompt_index, lease.epoch, exc_info=error)
         self.sender.send_failed(lease, text)
 
@@ -337,11 +340,12 @@ class RolloutWorker:
         decode = self.engine.decode if self.environment is None else None
         scores = self.rewards.score([(lease.prompt, cs) for lease, cs in zip(leases, completions)], decode=decode)
         reward_s = (time.perf_counter() - t0) / max(len(leases), 1)
-        return [s if isinstance(s, RewardError) else self._group(lease, cs, s, generate_s, reward_s)
+        return [s if isinstance(s, RewardError) else self.make_group(lease, cs, s, generate_s, reward_s)
                 for lease, cs, s in zip(leases, completions, scores)]
 
-    def _group(self, lease: ReceivedLease, completions: list[Completion], scores: list[tuple[float, dict]],
-               generate_s: float, reward_s: float) -> Group:
+    def make_group(self, lease: ReceivedLease, completions: list[Completion], scores: list[tuple[float, dict]],
+                   generate_s: float, reward_s: float) -> Group:
+        """The group of a lease's scored completions, every rollout stamped with its provenance."""
         rollouts = []
         group_id = make_group_id(lease.epoch, lease.prompt_index)
         images = prompt_images(lease.prompt)  # image prompts: the bytes the engine used travel back, with hashes

@@ -406,7 +406,7 @@ def test_a_shadow_workers_largest_status_fits_the_pools_limit():
     worker = RolloutWorker("w0", engine, lambda *a, **k: [0.0], SimpleNamespace(status={}),
                            max_batch=2, slots=2, streaming=True, weights=Receiver(), verifier=verifier)
     worker.inflight_pauses.append(0.01)
-    worker._report()
+    worker.report()
     status = worker.sender.status
     assert status["weights_via_shadow"] == 3 and status["shadow_busy"] == 1 and "weight_full_bytes" not in status
     assert status["shadow_mismatch"] == 2
@@ -414,5 +414,5 @@ def test_a_shadow_workers_largest_status_fits_the_pools_limit():
     assert "idle_no_lease_seq_s" in status and "pause_seq_s" in status
     assert len(status) < MAX_STATUS_KEYS, sorted(status)
     worker.weights = SimpleNamespace(stats=lambda: {"failures": 0, "full_bytes": 1, "delta_bytes": 2})  # zmq + delta
-    worker._report()
+    worker.report()
     assert len(worker.sender.status) < MAX_STATUS_KEYS, sorted(worker.sender.status)

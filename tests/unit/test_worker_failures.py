@@ -44,7 +44,7 @@ def test_a_worker_fed_a_poisoned_prompt_logs_a_bounded_number_of_lines(caplog):
     assert len(sender.failed) == 2000 and all("an engine needs a prompt with" in e for _, e in sender.failed)
     lines = [r for r in caplog.records if r.name == "workers.worker"]
     assert len(lines) <= 5, [r.getMessage() for r in lines]  # 3 in the burst, then one per 10 s
-    assert w.lease_failures == 2000 and w._throttle.suppressed_total >= 1995
+    assert w.lease_failures == 2000 and w.throttle.suppressed_total >= 1995
 
 
 def test_one_poisoned_prompt_does_not_fail_its_batch():
