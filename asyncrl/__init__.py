@@ -47,7 +47,7 @@ _EXPORTS = {
     "batch_sampling": "asyncrl.train.logprobs",
     "token_logprobs": "asyncrl.train.logprobs",
     "compute_loss": "asyncrl.train.losses",
-    "mismatch_metrics": "asyncrl.train.losses",
+    "mismatch_metrics": "asyncrl.train.corrections",
     "ReferencePolicy": "asyncrl.train.reference",
     "UpdateGuard": "asyncrl.train.guard",
     "GuardVerdict": "asyncrl.train.guard",

@@ -249,7 +249,7 @@ def run(ctx: CheckContext) -> StageResult:
     from transformers import AutoTokenizer
 
     from asyncrl.config import LossConfig
-    from asyncrl.train.losses import mismatch_metrics
+    from asyncrl.train.corrections import mismatch_metrics
     from datapipes.collate import collate_groups
 
     t0 = time.perf_counter()

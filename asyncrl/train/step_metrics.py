@@ -2,7 +2,7 @@
 
 :func:`batch_stats` all-reduces one step's reward mean, staleness (mean, max, histogram) and token count over
 the process group (no collective at world size 1); :func:`global_metrics` turns each rank's ``loss/*`` and
-``mismatch/*`` metrics (:func:`asyncrl.train.losses.compute_loss`, :func:`asyncrl.train.losses.mismatch_metrics`) into the
+``mismatch/*`` metrics (:func:`asyncrl.train.losses.compute_loss`, :func:`asyncrl.train.corrections.mismatch_metrics`) into the
 values of the whole step, each mean weighted by the count it is a mean over (:data:`STEP_METRIC_WEIGHTS`), so that a
 step logs the same numbers at 1 and N ranks. Both are collectives above world size 1: every rank calls each once per
 step, and blocks in it until all have (a rank whose metrics have other names fails there, naming them, instead
@@ -22,7 +22,7 @@ import torch.distributed as dist
 import xxhash
 
 from asyncrl.debug.record import MAX_LAG_BIN
-from asyncrl.train.losses import MISMATCH_RATIO_BOUNDS
+from asyncrl.train.corrections import MISMATCH_RATIO_BOUNDS
 
 __all__ = ["STEP_METRIC_WEIGHTS", "WEIGHT_SYNC_KEYS", "WORKER_KEYS", "batch_stats", "global_metrics",
            "pipeline_counters"]

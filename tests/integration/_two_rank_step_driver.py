@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.config import LossConfig
-from asyncrl.train.losses import all_reduce_sum, compute_loss, mismatch_metrics, policy_loss
+from asyncrl.train.corrections import mismatch_metrics
+from asyncrl.train.losses import all_reduce_sum, compute_loss, policy_loss
 
 ROWS, LENGTH, GROUP = 16, 12, 2
 CONFIGS = {
@@ -76,7 +77,7 @@ def step_metrics(batch: dict, name: str, all_reduce=None) -> dict[str, float]:
         _, loss_metrics, _ = compute_loss(batch, lp, config=config, trainer_version=6, ref_logprobs=ref,
                                           all_reduce=all_reduce)
     else:
-        from asyncrl.train.losses import compute_advantages
+        from asyncrl.train.advantages import compute_advantages
 
         adv = compute_advantages(batch["rewards"], batch["group_index"], scale_rewards="group")
         _, loss_metrics = policy_loss(lp, batch["old_logprobs"], batch["rollout_logprobs"], adv, batch["loss_mask"],

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from asyncrl.config import LossConfig, load_config
-from asyncrl.train.losses import compute_advantages, compute_loss, normalize_then_sum_advantages, policy_loss
+from asyncrl.train.advantages import compute_advantages, normalize_then_sum_advantages
+from asyncrl.train.losses import compute_loss, policy_loss
 
 # ---------------------------------------------------------------------------------------------------------------------
 # the fixed batch: 2 groups of 2 rows, 3 positions, response lengths 3, 1, 2, 1
@@ -436,3 +437,15 @@ def test_vespo_with_a_truncated_correction_matches_trl():
     ours.backward()
     torch.testing.assert_close(lp.grad, lp_trl.grad)
     assert metrics["vespo/phi_seq_mean"] == pytest.approx(trl_metrics["vespo/phi_seq_mean"][0], rel=1e-5)
+
+
+def test_every_loss_type_is_one_registry_entry():
+    """``loss.loss_type`` picks a surrogate and an aggregation from one registry (asyncrl.train.surrogates): the
+    config's names, its Literal and the registry are the same set, and every aggregation exists."""
+    import typing
+
+    from asyncrl.config.train import LOSS_TYPES as NAMES
+    from asyncrl.train.surrogates import AGGREGATIONS, LOSS_TYPES
+
+    assert set(LOSS_TYPES) == set(NAMES) == set(typing.get_args(typing.get_type_hints(LossConfig)["loss_type"]))
+    assert all(t.aggregation in AGGREGATIONS for t in LOSS_TYPES.values())

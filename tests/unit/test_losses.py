@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from asyncrl.config import LossConfig
-from asyncrl.train.losses import group_advantages, mismatch_metrics, policy_loss
+from asyncrl.train.advantages import group_advantages
+from asyncrl.train.corrections import mismatch_metrics
+from asyncrl.train.losses import policy_loss
 
 LOG = math.log
 ALL = torch.ones(2, 4, dtype=torch.bool)

@@ -77,7 +77,8 @@ def test_every_logged_loss_and_mismatch_metric_says_what_it_is_over():
     """A metric policy_loss or mismatch_metrics adds must get its weight in STEP_METRIC_WEIGHTS (else its global
     value would silently be a plain mean over ranks); without a process group global_metrics changes nothing."""
     from asyncrl.config import LossConfig
-    from asyncrl.train.losses import mismatch_metrics, policy_loss
+    from asyncrl.train.corrections import mismatch_metrics
+    from asyncrl.train.losses import policy_loss
     from asyncrl.train.step_metrics import RANK, STEP_METRIC_WEIGHTS, SUM, global_metrics
 
     lp, mask = -torch.rand(2, 4), torch.ones(2, 4, dtype=torch.bool)
