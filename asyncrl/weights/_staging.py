@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from asyncrl.codec import TENSOR_DTYPES
-from asyncrl.weights.base import Bucket, WeightSyncError, WeightUpdate, tensor_specs
+from asyncrl.weights.base import Bucket, WeightSyncError, WeightUpdate, plan_buckets, tensor_specs
 from asyncrl.weights.protocol import MODES
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "StagingArea",
     "check_publish",
     "check_receiver_id",
+    "plan_publish",
     "tensor_bytes",
     "unpack_bucket",
 ]
@@ -66,6 +67,14 @@ def check_publish(
             raise TypeError(f"tensors must map str -> torch.Tensor, got {type(name).__name__} -> {type(t).__name__}")
         if str(t.dtype).removeprefix("torch.") not in DTYPES:
             raise ValueError(f"tensor {name!r} has dtype {t.dtype}, not one of {sorted(DTYPES)}")
+
+
+def plan_publish(tensors: Mapping[str, torch.Tensor], version: int, last: int | None, mode: str, lora_config: Any,
+                 bucket_bytes: int) -> list[Bucket]:
+    """:func:`check_publish`, then the version's buckets (:func:`~asyncrl.weights.base.plan_buckets`): the start of
+    every bucketed backend's ``_publish``."""
+    check_publish(tensors, version, last, mode, lora_config)
+    return plan_buckets(tensors, bucket_bytes)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -19,6 +19,8 @@ machines, ``shm_weights.py`` on one machine); CUDA IPC and NCCL plug in behind t
 from __future__ import annotations
 
 import abc
+import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -134,14 +136,26 @@ def bucket_checksum(data: memoryview | bytes | bytearray) -> int:
 
 
 class WeightBroadcaster(abc.ABC):
-    """Trainer end: publishes one version at a time; receivers pull the newest."""
+    """Trainer end: publishes one version at a time; receivers pull the newest.
+
+    :meth:`publish` is every backend's: refused at once if the backend's I/O thread died, one publish at a time,
+    timed, the same result keys. A backend implements :meth:`_publish` (check the call, snapshot the tensors into its
+    buckets, make the version the one receivers pull) and calls ``WeightBroadcaster.__init__`` first.
+    """
+
+    def __init__(self) -> None:
+        self._publish_lock = threading.Lock()
+        """Publishes are one at a time (a second caller waits for the first)."""
+        self._error: BaseException | None = None
+        """Set by a backend whose I/O thread died: every later publish raises with it."""
+        self._last_version: int | None = None
+        """The newest version published (a new one must be greater)."""
 
     @property
     @abc.abstractmethod
     def address(self) -> str:
         """What a receiver needs to connect (an endpoint or a path)."""
 
-    @abc.abstractmethod
     def publish(
         self,
         tensors: Mapping[str, torch.Tensor],
@@ -154,11 +168,25 @@ class WeightBroadcaster(abc.ABC):
         """Snapshots ``tensors`` as ``version`` of ``incarnation`` (the loader's) and makes it the one receivers pull.
 
         Returns:
-            stats: bytes, buckets, seconds spent snapshotting.
+            stats: ``version``, ``bytes``, ``buckets``, the backend's own timings (seconds spent snapshotting or
+            waiting for a free slot) and ``publish_s``, the whole call.
 
         Raises:
             ValueError: if ``version`` is not greater than the last published one.
+            WeightSyncError: the backend's I/O thread died (every publish after it raises).
         """
+        if self._error is not None:
+            raise WeightSyncError(f"{type(self).__name__}: its I/O thread died: {self._error!r}") from self._error
+        t0 = time.perf_counter()
+        with self._publish_lock:
+            stats = self._publish(tensors, version, mode=mode, lora_config=lora_config, incarnation=incarnation)
+        return {"version": version, **stats, "publish_s": time.perf_counter() - t0}
+
+    @abc.abstractmethod
+    def _publish(self, tensors: Mapping[str, torch.Tensor], version: int, *, mode: WeightMode,
+                 lora_config: dict[str, Any] | None, incarnation: str) -> dict[str, Any]:
+        """The backend's part of :meth:`publish`, under its lock: checks the call (``_staging.check_publish``),
+        writes the version and sets ``_last_version``; returns ``bytes``, ``buckets`` and its own timings."""
 
     @abc.abstractmethod
     def committed(self) -> dict[str, int]:

@@ -185,6 +185,7 @@ class CudaIpcWeightBroadcaster(WeightBroadcaster):
                  memory: IpcMemory | None = None, bucket_bytes: int | None = None):
         if slot_wait_s < 0:
             raise ValueError(f"{slot_wait_s=} must be >= 0")
+        WeightBroadcaster.__init__(self)
         self._memory = memory if memory is not None else CudaIpcMemory(device)
         # owner-locked (asyncrl._owned_dir): a SIGKILLed broadcaster's directory goes when the next one starts
         self._dir = make_owned_dir("asyncrl-cuda-ipc-")[0] if bind is None else None
@@ -199,8 +200,8 @@ class CudaIpcWeightBroadcaster(WeightBroadcaster):
         self._slots: list[_Slot] = []
         self._next = 0
         self._ids = 0
-        self._publish = 0
-        self._last_version: int | None = None
+        self._publish_seq = 0
+        """Publishes so far: each slot names the publish it holds."""
         self._latest: dict[str, Any] | None = None
         self._peers: dict[str, bytes] = {}
         self._committed: dict[str, int] = {}
@@ -229,15 +230,8 @@ class CudaIpcWeightBroadcaster(WeightBroadcaster):
             self._latest = {"version": None, "slots": [s.wire for s in self._slots]}
         self._post(self._latest)
 
-    def publish(
-        self,
-        tensors: Mapping[str, torch.Tensor],
-        version: int,
-        *,
-        mode: WeightMode = "full",
-        lora_config: dict[str, Any] | None = None,
-        incarnation: str = "",
-    ) -> dict[str, Any]:
+    def _publish(self, tensors: Mapping[str, torch.Tensor], version: int, *, mode: WeightMode,
+                 lora_config: dict[str, Any] | None, incarnation: str) -> dict[str, Any]:
         t0 = time.perf_counter()
         with self._lock:
             if not self._same_layout(tensors):  # the full check walks every tensor: once per layout
@@ -247,8 +241,8 @@ class CudaIpcWeightBroadcaster(WeightBroadcaster):
                 check_publish({}, version, self._last_version, mode, lora_config)
             slot = self._claim()
             t1 = time.perf_counter()
-            self._publish += 1
-            slot.publish = self._publish
+            self._publish_seq += 1
+            slot.publish = self._publish_seq
             self._write(slot, tensors, version)
             nbytes = sum(b.nbytes for b in self._buckets)
             self._latest = {"version": version, "incarnation": incarnation, "mode": mode, "lora_config": lora_config,
@@ -258,8 +252,7 @@ class CudaIpcWeightBroadcaster(WeightBroadcaster):
             self._counters["versions_published"] += 1
             body = self._latest
         self._post(body)
-        return {"version": version, "bytes": nbytes, "buckets": len(self._buckets), "slot_wait_s": t1 - t0,
-                "publish_s": time.perf_counter() - t0}
+        return {"bytes": nbytes, "buckets": len(self._buckets), "slot_wait_s": t1 - t0}
 
     def _post(self, body: dict[str, Any]) -> None:
         """Queues a VERSION for every receiver and wakes the I/O thread, so it goes out now, not on its next tick."""

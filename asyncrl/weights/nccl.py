@@ -70,15 +70,14 @@ from asyncrl._zmq.io import drain, is_loopback_bind
 from asyncrl.transport.protocol import check_fields
 from asyncrl.weights import _collective as coll
 from asyncrl.weights._checksum import fill_bucket
-from asyncrl.weights._staging import StagingArea, check_publish, check_receiver_id, unpack_bucket
+from asyncrl.weights._receiver import StagedReceiver
+from asyncrl.weights._staging import check_receiver_id, plan_publish, unpack_bucket
 from asyncrl.weights.base import (
     Bucket,
     WeightBroadcaster,
     WeightMode,
-    WeightReceiver,
     WeightSyncError,
     WeightUpdate,
-    plan_buckets,
 )
 from asyncrl.weights.protocol import MODES, buckets_from_wire
 
@@ -221,13 +220,13 @@ class NcclWeightBroadcaster(WeightBroadcaster):
         if curve_secret_key is not None and not curve_allowed_keys and not curve_allow_any_client:
             raise ValueError("a CURVE nccl weight channel needs curve_allowed_keys (the workers' public keys) "
                              "or curve_allow_any_client=True")
+        WeightBroadcaster.__init__(self)
         self.bind, self.host = bind, _host(bind)
         self.bucket_bytes = bucket_bytes
         self.op_timeout_s, self.form_timeout_s, self.peer_timeout_s = op_timeout_s, form_timeout_s, peer_timeout_s
         self._curve = (curve_secret_key, curve_public_key, frozenset(curve_allowed_keys))
         self._ctx = zmq.Context()
         self._lock = threading.Lock()
-        self._publish_lock = threading.Lock()
         self._keys = coll.KeyTable()
         self._members: dict[str, _Member] = {}
         self._identities: dict[bytes, str] = {}
@@ -236,7 +235,6 @@ class NcclWeightBroadcaster(WeightBroadcaster):
         self._newest: _Version | None = None
         self._sets: list[list[torch.Tensor]] = []
         self._sending: list[torch.Tensor] | None = None
-        self._last_version: int | None = None
         self._gen: _Generation | None = None
         self._generations = itertools.count(1)
         self._dissolved_at: float | None = None
@@ -246,7 +244,6 @@ class NcclWeightBroadcaster(WeightBroadcaster):
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._endpoint: str | None = None
-        self._error: BaseException | None = None
         self._finalizer = weakref.finalize(self, _stop_all, self._stop, self._kick)
         self._io = threading.Thread(target=self._run_io, name="asyncrl-nccl-broadcaster-io", daemon=True)
         self._data = threading.Thread(target=self._run_data, name="asyncrl-nccl-broadcaster-data", daemon=True)
@@ -262,39 +259,27 @@ class NcclWeightBroadcaster(WeightBroadcaster):
         assert self._endpoint is not None
         return self._endpoint
 
-    def publish(
-        self,
-        tensors: Mapping[str, torch.Tensor],
-        version: int,
-        *,
-        mode: WeightMode = "full",
-        lora_config: dict[str, Any] | None = None,
-        incarnation: str = "",
-    ) -> dict[str, Any]:
-        if self._error is not None:
-            raise WeightSyncError(f"nccl weight broadcaster thread died: {self._error!r}") from self._error
-        with self._publish_lock:
-            check_publish(tensors, version, self._last_version, mode, lora_config)
-            t0 = time.perf_counter()
-            buckets = plan_buckets(tensors, self.bucket_bytes)
-            buffers = self._spare_set(buckets)
-            for b, buf in zip(buckets, buffers):
-                if buf.is_cuda:
-                    coll.fill_device_bucket(b, tensors, buf)
-                    b.checksum = coll.checksum(buf)
-                else:
-                    b.checksum = fill_bucket(b, tensors, buf)  # the copy fused with the checksum
-            t1 = time.perf_counter()
-            entry = _Version(version, incarnation, mode, lora_config, buckets, buffers)
-            encode(JOB, {"lora_config": lora_config})  # TypeError now, not in the I/O thread
-            with self._lock:
-                self._newest = entry
-                self._last_version = version
-                self._counters["versions_published"] += 1
-            self._kick.set()
-        nbytes = sum(b.nbytes for b in buckets)
-        return {"version": version, "bytes": nbytes, "buckets": len(buckets), "snapshot_s": t1 - t0,
-                "checksum_s": time.perf_counter() - t1, "publish_s": time.perf_counter() - t0}
+    def _publish(self, tensors: Mapping[str, torch.Tensor], version: int, *, mode: WeightMode,
+                 lora_config: dict[str, Any] | None, incarnation: str) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        buckets = plan_publish(tensors, version, self._last_version, mode, lora_config, self.bucket_bytes)
+        buffers = self._spare_set(buckets)
+        for b, buf in zip(buckets, buffers):
+            if buf.is_cuda:
+                coll.fill_device_bucket(b, tensors, buf)
+                b.checksum = coll.checksum(buf)
+            else:
+                b.checksum = fill_bucket(b, tensors, buf)  # the copy fused with the checksum
+        t1 = time.perf_counter()
+        entry = _Version(version, incarnation, mode, lora_config, buckets, buffers)
+        encode(JOB, {"lora_config": lora_config})  # TypeError now, not in the I/O thread
+        with self._lock:
+            self._newest = entry
+            self._last_version = version
+            self._counters["versions_published"] += 1
+        self._kick.set()
+        return {"bytes": sum(b.nbytes for b in buckets), "buckets": len(buckets), "snapshot_s": t1 - t0,
+                "checksum_s": time.perf_counter() - t1}
 
     def _spare_set(self, buckets: list[Bucket]) -> list[torch.Tensor]:
         """Bucket buffers for the next version: a set not being sent (made once per layout, then reused)."""
@@ -607,7 +592,7 @@ class _Group:
     pg: Any
 
 
-class NcclWeightReceiver(WeightReceiver):
+class NcclWeightReceiver(StagedReceiver):
     """Worker end: a member of the broadcaster's process group, re-formed on every membership change.
 
     Args:
@@ -620,8 +605,13 @@ class NcclWeightReceiver(WeightReceiver):
             key, for a broadcaster bound beyond loopback.
 
     An update's tensors are views into this receiver's bucket buffers, valid until a newer version is
-    committed (the engine copies them into its own parameters when it applies them).
+    committed (the engine copies them into its own parameters when it applies them). What the worker's thread
+    calls (``poll``, ``wait``, ``commit``, ``stats``, ``close``) is :class:`~asyncrl.weights._receiver.StagedReceiver`'s;
+    its I/O thread is the control thread (the socket), which starts a data thread (formation, collectives,
+    checksums) of its own.
     """
+
+    uses_zmq = True
 
     def __init__(
         self,
@@ -635,14 +625,10 @@ class NcclWeightReceiver(WeightReceiver):
         curve_server_key: str | None = None,
         curve_secret_key: str | None = None,
     ):
-        self.address = address
-        self.receiver_id = check_receiver_id(receiver_id)
+        StagedReceiver.__init__(self, address, receiver_id=receiver_id)
         self.device = None if device is None else torch.device(device)
         self.timeout_s, self.form_timeout_s, self.op_timeout_s = timeout_s, form_timeout_s, op_timeout_s
         self._curve = (curve_server_key, curve_secret_key)
-        self._staging = StagingArea(receiver_id)
-        self._ctx = zmq.Context()
-        self._stop = threading.Event()
         self._admitted = threading.Event()
         self._inbox: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
         self._outbox: collections.deque[tuple[str, dict[str, Any]]] = collections.deque()
@@ -655,22 +641,15 @@ class NcclWeightReceiver(WeightReceiver):
         """The newest generation a FORM named / the newest one an ABORT ended (control thread writes)."""
         self._sets: list[_BufferSet] = []
         self._sets_lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
-        self._finalizer = weakref.finalize(self, _stop_all, self._stop)
+        self._data = threading.Thread(target=self._run_data, name=f"asyncrl-nccl-data-{self.receiver_id}", daemon=True)
 
-    # -- worker thread -------------------------------------------------------------------------
-    def start(self) -> None:
-        """Says HELLO and waits to be admitted to a generation.
+    # -- StagedReceiver's hooks (worker thread) ----------------------------------------------------
+    def _wait_started(self) -> None:
+        """Says HELLO (the control thread) and waits to be admitted to a generation.
 
         Raises:
             WeightSyncError: if no FORM came within ``timeout_s``.
         """
-        if self._threads:
-            return
-        self._threads = [threading.Thread(target=self._run_control, name=f"asyncrl-nccl-{self.receiver_id}", daemon=True),
-                         threading.Thread(target=self._run_data, name=f"asyncrl-nccl-data-{self.receiver_id}", daemon=True)]
-        for t in self._threads:
-            t.start()
         if not self._admitted.wait(self.timeout_s):
             self.close()
             raise WeightSyncError(
@@ -678,43 +657,30 @@ class NcclWeightReceiver(WeightReceiver):
                 f"within timeout_s={self.timeout_s}; check the address, the CURVE keys and that the trainer is running"
             )
 
-    def poll(self) -> WeightUpdate | None:
-        return self._staging.poll()
-
-    def wait(self, version: int, timeout: float, *, incarnation: str | None = None) -> WeightUpdate | None:
-        return self._staging.wait(version, timeout, incarnation)
-
-    def commit(self, version: int) -> None:
-        self._staging.commit(version)
+    def _on_commit(self, version: int) -> None:
         self._outbox.append((COMMIT, {"receiver_id": self.receiver_id, "version": version}))
 
-    @property
-    def committed_version(self) -> int | None:
-        return self._staging.committed_version
-
     def stats(self) -> dict[str, Any]:
-        out = self._staging.stats()
+        out = StagedReceiver.stats(self)
         group = self._group
-        out.update(receiver_id=self.receiver_id, address=self.address,
-                   generation=group.generation if group else None, rank=group.rank if group else None)
+        out.update(generation=group.generation if group else None, rank=group.rank if group else None)
         return out
 
     def close(self) -> None:
         self._outbox.append((BYE, {"receiver_id": self.receiver_id}))
-        self._stop.set()
+        self._io.close(before_join=self._wake_data)
+        if self._data.ident is not None and self._data is not threading.current_thread():
+            self._data.join(timeout=10)
+        self._staging.close()
+
+    def _wake_data(self) -> None:
         self._inbox.put(("", {}))
         with self._store_cv:
             self._store_cv.notify_all()  # a formation waiting on a rendezvous reply gives up
-        for t in self._threads:
-            if t is not threading.current_thread():
-                t.join(timeout=10)
-        if not any(t.is_alive() for t in self._threads):
-            self._ctx.term()
-        self._staging.close()
-        self._finalizer()
 
     # -- control thread: the socket ----------------------------------------------------------------
-    def _run_control(self) -> None:
+    def _loop(self) -> None:
+        self._data.start()
         server_key, secret = self._curve
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -736,9 +702,6 @@ class NcclWeightReceiver(WeightReceiver):
                     next_beat = now + BEAT_S
                     self._send(sock, BEAT, {"receiver_id": self.receiver_id,
                                             "committed": self._staging.committed_version})
-        except BaseException as e:  # thread boundary: poll()/wait() re-raise it
-            logger.exception("receiver %s: nccl weight control thread died", self.receiver_id)
-            self._staging.die(e)
         finally:
             while self._outbox:  # a COMMIT or BYE made just before close() still goes out
                 self._send(sock, *self._outbox.popleft())
@@ -832,7 +795,7 @@ class NcclWeightReceiver(WeightReceiver):
             pg = coll.new_group(backend, store, body["rank"], body["world_size"], host=body["host"],
                                 timeout_s=self.op_timeout_s)
         except Exception as e:  # the broadcaster forms again; nothing staged is affected
-            self._fail(body["generation"], None, f"generation {body['generation']} did not form: {e}")
+            self._fail_generation(body["generation"], None, f"generation {body['generation']} did not form: {e}")
             return
         self._group = _Group(body["generation"], body["rank"], pg)
         self._staging.count("generations_joined")
@@ -872,7 +835,7 @@ class NcclWeightReceiver(WeightReceiver):
         except DecodeError as e:  # cannot take part safely: leave the group; the broadcaster re-forms
             self._staging.count("bad_messages")
             self._group = None
-            self._fail(group.generation, version, f"malformed job: {e}")
+            self._fail_generation(group.generation, version, f"malformed job: {e}")
             return
         target = self._free_set([b.nbytes for b in buckets])
         bad: list[str] = []
@@ -888,11 +851,11 @@ class NcclWeightReceiver(WeightReceiver):
                 self._staging.count("bytes_received", b.nbytes)
         except Exception as e:  # a member died or the broadcaster dissolved the generation
             self._group = None
-            self._fail(group.generation, version, f"transfer of version {version} failed in generation "
+            self._fail_generation(group.generation, version, f"transfer of version {version} failed in generation "
                                                   f"{group.generation}: {e}")
             return
         if bad:
-            self._fail(group.generation, version, f"version {version}: {'; '.join(bad)[:400]}")
+            self._fail_generation(group.generation, version, f"version {version}: {'; '.join(bad)[:400]}")
             return
         if not self._staging.is_newer(version, incarnation):
             self._outbox.append((STAGED, {"generation": group.generation, "version": version, "incarnation": incarnation}))
@@ -909,7 +872,8 @@ class NcclWeightReceiver(WeightReceiver):
                             release=lambda: self._release(target))
         self._outbox.append((STAGED, {"generation": group.generation, "version": version, "incarnation": incarnation}))
 
-    def _fail(self, generation: int, version: int | None, reason: str) -> None:
+    def _fail_generation(self, generation: int, version: int | None, reason: str) -> None:
+        """Counts and logs a failed formation or transfer, and tells the broadcaster (it re-forms or sends again)."""
         self._staging.fail(version, reason)
         self._outbox.append((FAILED, {"generation": generation, "version": version, "reason": reason[:500]}))
         logger.warning("receiver %s: %s; keeping committed version %s", self.receiver_id, reason,

@@ -67,8 +67,8 @@ from asyncrl._owned_dir import OwnedDir, Swept, make_owned_dir
 from asyncrl.codec import DecodeError
 from asyncrl.weights._checksum import BucketScatter, checksum, fill_bucket
 from asyncrl.weights._receiver import StagedReceiver
-from asyncrl.weights._staging import check_publish, check_receiver_id, unpack_bucket
-from asyncrl.weights.base import Bucket, WeightBroadcaster, WeightMode, WeightSyncError, WeightUpdate, plan_buckets
+from asyncrl.weights._staging import check_receiver_id, plan_publish, unpack_bucket
+from asyncrl.weights.base import Bucket, WeightBroadcaster, WeightMode, WeightSyncError, WeightUpdate
 from asyncrl.weights.protocol import Manifest
 
 __all__ = ["ShmWeightBroadcaster", "ShmWeightReceiver"]
@@ -201,6 +201,7 @@ class ShmWeightBroadcaster(WeightBroadcaster):
                  slot_wait_s: float = 1.0, keep_versions: int = 2):
         if bucket_bytes <= 0 or slot_wait_s < 0 or keep_versions < 1:
             raise ValueError(f"{bucket_bytes=} must be > 0, {slot_wait_s=} >= 0 and {keep_versions=} >= 1")
+        WeightBroadcaster.__init__(self)
         owned, swept = _default_directory() if directory is None else (None, Swept())
         self.directory = owned.path if owned is not None else Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -208,8 +209,8 @@ class ShmWeightBroadcaster(WeightBroadcaster):
         self.slot_wait_s = slot_wait_s
         self._token = secrets.token_hex(4)
         self._lock = threading.Lock()
-        self._last_version: int | None = None
-        self._publish = 0
+        self._publish_seq = 0
+        """Publishes so far: each segment header names the publish it holds."""
         self._generation = 0
         self._layout: tuple[int, ...] | None = None
         self._slots: list[_Segment] = []
@@ -226,29 +227,21 @@ class ShmWeightBroadcaster(WeightBroadcaster):
     def address(self) -> str:
         return str(self.directory)
 
-    def publish(
-        self,
-        tensors: Mapping[str, torch.Tensor],
-        version: int,
-        *,
-        mode: WeightMode = "full",
-        lora_config: dict[str, Any] | None = None,
-        incarnation: str = "",
-    ) -> dict[str, Any]:
+    def _publish(self, tensors: Mapping[str, torch.Tensor], version: int, *, mode: WeightMode,
+                 lora_config: dict[str, Any] | None, incarnation: str) -> dict[str, Any]:
         with self._lock:
-            check_publish(tensors, version, self._last_version, mode, lora_config)
             t0 = time.perf_counter()
-            buckets = plan_buckets(tensors, self.bucket_bytes)
+            buckets = plan_publish(tensors, version, self._last_version, mode, lora_config, self.bucket_bytes)
             manifest = Manifest(version=version, incarnation=incarnation, mode=mode, lora_config=lora_config,
                                 buckets=buckets)
             body = {"format": FORMAT, **manifest.to_wire()}
             orjson.dumps(body)  # TypeError here (a lora_config JSON refuses), before anything is visible
             seg = self._claim(tuple(b.nbytes for b in buckets))
             t1 = time.perf_counter()
-            self._publish += 1
-            seg.begin(self._publish)
+            self._publish_seq += 1
+            seg.begin(self._publish_seq)
             fcntl.flock(seg.fd, fcntl.LOCK_UN)  # readers of this publish may lock it from now on
-            body.update(publish=self._publish, segment=seg.path.name, data_offset=seg.data_offset)
+            body.update(publish=self._publish_seq, segment=seg.path.name, data_offset=seg.data_offset)
             _write_atomic(self.directory / LATEST, orjson.dumps(body))
             try:
                 offset = 0
@@ -263,8 +256,7 @@ class ShmWeightBroadcaster(WeightBroadcaster):
             self._next_slot ^= 1
             self._last_version = version
             self._counters["versions_published"] += 1
-        return {"version": version, "bytes": manifest.nbytes, "buckets": len(buckets),
-                "slot_wait_s": t1 - t0, "publish_s": time.perf_counter() - t0}
+        return {"bytes": manifest.nbytes, "buckets": len(buckets), "slot_wait_s": t1 - t0}
 
     def _fill(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], out: torch.Tensor) -> int:
         """Copies one bucket into the slot and returns its checksum (the per-bucket write; tests that corrupt

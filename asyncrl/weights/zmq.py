@@ -59,8 +59,8 @@ from asyncrl.weights import protocol as P
 from asyncrl.weights._checksum import fill_bucket
 from asyncrl.weights._delta_encoder import DeltaEncoder
 from asyncrl.weights._receiver import StagedReceiver
-from asyncrl.weights._staging import check_publish, check_receiver_id, unpack_bucket
-from asyncrl.weights.base import Bucket, WeightBroadcaster, WeightMode, WeightSyncError, WeightUpdate, plan_buckets
+from asyncrl.weights._staging import check_receiver_id, plan_publish, unpack_bucket
+from asyncrl.weights.base import Bucket, WeightBroadcaster, WeightMode, WeightSyncError, WeightUpdate
 from asyncrl.weights.delta import DeltaBase, DeltaCodec, DeltaRefused, apply_bucket
 from asyncrl.weights.delta import encode_bucket as encode_delta
 
@@ -180,6 +180,7 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
         if bucket_bytes <= 0 or keep_versions < 1 or delta_threads < 1:
             raise ValueError(f"{bucket_bytes=} must be > 0, {keep_versions=} >= 1 and {delta_threads=} >= 1")
         check_weight_bind(bind, security)
+        WeightBroadcaster.__init__(self)
         self._curve = security if security is not None and security.curve_secret_key is not None else None
         self._allowed = allowed_keys(self._curve) if self._curve is not None else frozenset()
         if self._curve is not None and not self._allowed and not self._curve.curve_allow_any_client:
@@ -197,10 +198,8 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
         self._ctx = self._io.ctx
         self._lock = threading.Lock()
         self._read_done = threading.Condition(self._lock)  # an encode stopped reading a snapshot (_Snapshot.readers)
-        self._publish_lock = threading.Lock()
         self._versions: collections.deque[_Version] = collections.deque()
         self._spare: list[_Snapshot] = []
-        self._last_version: int | None = None
         self._announce: int | None = None
         self._waker = Waker(self._ctx, "weights")
         self._committed: dict[str, int] = {}
@@ -209,7 +208,6 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
         self._recent_errors: collections.deque[tuple[str, str]] = collections.deque(maxlen=32)
         self._ready = threading.Event()
         self._endpoint: str | None = None
-        self._error: BaseException | None = None
         self._pending: list[_Version] = []  # versions with GETs waiting for a bucket (I/O thread only)
         self._encoder = DeltaEncoder(self, threads=delta_threads, on_error=self._encode_failed) if delta else None
         if self._encoder is not None:  # the delta kernels compile (or load from numba's cache) before any bucket
@@ -225,50 +223,37 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
         assert self._endpoint is not None
         return self._endpoint
 
-    def publish(
-        self,
-        tensors: Mapping[str, torch.Tensor],
-        version: int,
-        *,
-        mode: WeightMode = "full",
-        lora_config: dict[str, Any] | None = None,
-        incarnation: str = "",
-    ) -> dict[str, Any]:
-        if self._error is not None:
-            raise WeightSyncError(f"weight broadcaster I/O thread died: {self._error!r}") from self._error
-        with self._publish_lock:
-            check_publish(tensors, version, self._last_version, mode, lora_config)
-            t0 = time.perf_counter()
-            buckets = plan_buckets(tensors, self.bucket_bytes)
-            manifest = P.Manifest(version=version, incarnation=incarnation, mode=mode, lora_config=lora_config,
-                                  buckets=buckets)
-            frames = encode(P.MANIFEST, manifest.to_wire())  # TypeError here for a lora_config msgpack refuses
-            with self._lock:  # retired first, so that this version can reuse the oldest one's buffers
-                while len(self._versions) >= self.keep_versions:
-                    self._retire(self._versions.popleft())
-            entry = _Version(manifest, frames, self._snapshot(tuple(b.nbytes for b in buckets)))
-            with self._lock:
-                self._versions.append(entry)
-                self._last_version = version
-                self._announce = version
-                self._counters["versions_published"] += 1
-            self._wake()  # the MANIFEST goes out now; receivers GET buckets as they are written
-            t1 = time.perf_counter()
-            try:
-                for b, buf in zip(buckets, entry.snapshot.buffers):
-                    checksum = self._fill(b, tensors, buf)
-                    with self._lock:
-                        entry.checksums.append(checksum)
-                    self._encode_eagerly(entry, b.index)
-                    self._wake()
-            except BaseException:
-                with self._lock:  # no longer offered: receivers fail what they fetched of it and keep theirs
-                    entry.failed = True
-                    self._versions = collections.deque(v for v in self._versions if v is not entry)  # identity
+    def _publish(self, tensors: Mapping[str, torch.Tensor], version: int, *, mode: WeightMode,
+                 lora_config: dict[str, Any] | None, incarnation: str) -> dict[str, Any]:
+        buckets = plan_publish(tensors, version, self._last_version, mode, lora_config, self.bucket_bytes)
+        manifest = P.Manifest(version=version, incarnation=incarnation, mode=mode, lora_config=lora_config,
+                              buckets=buckets)
+        frames = encode(P.MANIFEST, manifest.to_wire())  # TypeError here for a lora_config msgpack refuses
+        with self._lock:  # retired first, so that this version can reuse the oldest one's buffers
+            while len(self._versions) >= self.keep_versions:
+                self._retire(self._versions.popleft())
+        entry = _Version(manifest, frames, self._snapshot(tuple(b.nbytes for b in buckets)))
+        with self._lock:
+            self._versions.append(entry)
+            self._last_version = version
+            self._announce = version
+            self._counters["versions_published"] += 1
+        self._wake()  # the MANIFEST goes out now; receivers GET buckets as they are written
+        t1 = time.perf_counter()
+        try:
+            for b, buf in zip(buckets, entry.snapshot.buffers):
+                checksum = self._fill(b, tensors, buf)
+                with self._lock:
+                    entry.checksums.append(checksum)
+                self._encode_eagerly(entry, b.index)
                 self._wake()
-                raise
-        return {"version": version, "bytes": manifest.nbytes, "buckets": len(buckets),
-                "snapshot_s": time.perf_counter() - t1, "publish_s": time.perf_counter() - t0}
+        except BaseException:
+            with self._lock:  # no longer offered: receivers fail what they fetched of it and keep theirs
+                entry.failed = True
+                self._versions = collections.deque(v for v in self._versions if v is not entry)  # identity
+            self._wake()
+            raise
+        return {"bytes": manifest.nbytes, "buckets": len(buckets), "snapshot_s": time.perf_counter() - t1}
 
     def _fill(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], out: torch.Tensor) -> int:
         """Copies one bucket into its buffer and returns its checksum (the per-bucket write; tests that
