@@ -10,7 +10,7 @@
 
 This is not the rollout worker loop (``workers.worker``): a worker reports post-sync verification only as a
 count and at most 200 characters of names in its heartbeat, and generates only against leases of a pool. It
-is the same engine, built as a worker builds it (:func:`workers.engines.base.build_engine` from an
+is the same engine, built as a worker builds it (:func:`workers.engines.build_engine` from an
 ``EngineConfig``, or the ``--engine module:Class`` subclass with that config), fed through the same receiver
 (:func:`asyncrl.weights.setup_weight_receiver`), applying and committing updates as the worker's safe point
 does, with the worker's :class:`~asyncrl.weights.verify.WeightVerifier` run on every update; so what it
