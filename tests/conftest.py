@@ -1,6 +1,6 @@
-"""Shared test set-up: no hub access, quiet logs, GPU/vLLM tests skip cleanly where unavailable, the tiny
-BPE chat model (``asyncrl.testing.tiny_bpe``) built once per session, and one vLLM engine on the tiny model shared by the
-modules that update its weights."""
+"""Shared test set-up: no hub access, quiet logs, GPU/vLLM tests skip cleanly where unavailable, the tiny BPE chat model
+(``asyncrl.testing.tiny_bpe``) built once per session, and one vLLM engine on the tiny model shared by the modules that
+update its weights."""
 
 from __future__ import annotations
 

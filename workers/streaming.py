@@ -9,7 +9,7 @@
                     abort: they come back aborted and are submitted again)
 
 The main thread blocks only in :meth:`~workers.engines.base.Engine.poll` (at most ``POLL_S``, less while a slot is
-free and a lease may arrive), in reward functions (:meth:`asyncrl.rewards.reward_set.RewardSet.score` on the groups one poll
+free and a lease may arrive), in reward functions (:meth:`asyncrl.rewards.RewardSet.score` on the groups one poll
 finished, async ones concurrently), in ``engine.apply_weights`` (the in-flight pause, timed: status
 ``inflight_pause_p50_s``/``_p99_s``) and, with nothing in flight and nothing to admit, in ``take_leases`` (0.5 s).
 It never waits for one request to finish another: up to ``worker.slots`` leases' requests are inside the engine
@@ -29,7 +29,7 @@ trainer incarnation than the engine holds when it finishes is not sent; it is su
 ``groups_resubmitted``), as is every aborted one (each abort: one resubmission, never two copies in flight).
 A lease granted at a version or incarnation the engine does not hold waits, without holding up the requests in
 flight, until the receiver stages it or ``weights.catch_up_s`` passes, then is submitted. Failures stay per
-lease: ``Finished.error`` and a reward function's :class:`~asyncrl.rewards.reward_set.RewardError` fail only their lease
+lease: ``Finished.error`` and a reward function's :class:`~asyncrl.rewards.RewardError` fail only their lease
 (FAILED with the text). Heartbeats are the sender's I/O thread's; SHUTDOWN from every pool, a dead parent or a
 lost pool end the loop like the static one's (what is in flight is dropped: the pool re-issues its leases).
 """

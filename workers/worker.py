@@ -14,21 +14,20 @@ reports and status, as a :class:`~workers.context.WorkerContext`.
     broadcaster ══► receiver I/O thread: stage + verify ──► main thread, between batches (safe point):
                                                             engine.apply_weights → receiver.commit
 
-The main thread blocks only in ``take_leases`` (waiting for credits), in the engine, and in
-applying a staged weight update. Version fencing: a version is applied only once all of it is
-staged and verified, and only at a safe point between generation batches, so every completion
-carries the version whose weights produced it (the engine reports it). One timeline: every rollout
-also carries the trainer incarnation of its weights; a resumed trainer's weights replace a dead
-incarnation's whatever their version (the broadcaster is the authority), and a lease granted by an
-incarnation the engine does not hold waits up to ``weights.catch_up_s`` for that incarnation's weights
-before generating (the pool refuses rollouts off its timeline either way). A lease the worker cannot
-finish (engine or reward error) is reported as FAILED with the error text; the worker carries on.
-Rewards are scored once per batch (:class:`asyncrl.rewards.reward_set.RewardSet`: sync functions over the whole batch,
-async ones per group, concurrently on the worker's one event loop); a reward function that fails on a group
-fails only that group's lease. When the engine fails a batch of several leases, each lease is generated again
-on its own, so one bad prompt does not fail its batch-mates (the pool counts failures per prompt and poisons a prompt that keeps
-failing, :mod:`asyncrl.pool.poison`). Repeated warnings are throttled (:class:`asyncrl._logging.Throttle`). It exits when every pool says SHUTDOWN, when every pool goes silent for
-``transport.peer_timeout_s``, or when its parent process (the local launcher) is gone.
+The main thread blocks only in ``take_leases`` (waiting for credits), in the engine, and in applying a staged weight
+update. Version fencing: a version is applied only once all of it is staged and verified, and only at a safe point
+between generation batches, so every completion carries the version whose weights produced it (the engine reports it).
+One timeline: every rollout also carries the trainer incarnation of its weights; a resumed trainer's weights replace a
+dead incarnation's whatever their version (the broadcaster is the authority), and a lease granted by an incarnation the
+engine does not hold waits up to ``weights.catch_up_s`` for that incarnation's weights before generating (the pool
+refuses rollouts off its timeline either way). A lease the worker cannot finish (engine or reward error) is reported as
+FAILED with the error text; the worker carries on. Rewards are scored once per batch
+(:class:`asyncrl.rewards.RewardSet`: sync functions over the whole batch, async ones per group, concurrently on the
+worker's one event loop); a reward function that fails on a group fails only that group's lease. When the engine fails a
+batch of several leases, each lease is generated again on its own, so one bad prompt does not fail its batch-mates (the
+pool counts failures per prompt and poisons a prompt that keeps failing, :mod:`asyncrl.pool.poison`). Repeated warnings
+are throttled (:class:`asyncrl._logging.Throttle`). It exits when every pool says SHUTDOWN, when every pool goes silent
+for ``transport.peer_timeout_s``, or when its parent process (the local launcher) is gone.
 """
 
 from __future__ import annotations
@@ -67,7 +66,7 @@ class RolloutWorker:
     Args:
         worker_id: unique name, stamped on every rollout.
         engine: the generation backend.
-        reward_fn: the reward functions (:class:`~asyncrl.rewards.reward_set.RewardSet`), or one batched reward function.
+        reward_fn: the reward functions (:class:`~asyncrl.rewards.RewardSet`), or one batched reward function.
         sender: the connected rollout channel.
         max_batch: most leases per engine call (static loop).
         streaming: serve through :class:`workers.streaming.StreamingLoop` (the engine must stream).
@@ -109,7 +108,7 @@ class RolloutWorker:
         self.fault = fault or FaultConfig()
         self.catch_up_s = catch_up_s
         self.verifier = verifier
-        c = getattr(engine, "config", None)  # what the engine samples with: every rollout says so (asyncrl.train.logprobs)
+        c = getattr(engine, "config", None)  # what the engine samples with: every rollout says so (asyncrl.train)
         self._sampling = ({"temperature": float(c.temperature), "top_k": int(c.top_k), "top_p": float(c.top_p)}
                           if c is not None and all(hasattr(c, k) for k in ("temperature", "top_k", "top_p")) else None)
         """Post-sync verification of each applied update (:mod:`asyncrl.weights.verify`); None: off."""

@@ -43,7 +43,7 @@ def load_trainer_policy(ctx: Any) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(ctx.seed)
-    if ctx.qlora:  # the 4-bit NF4 base the recipe and the HF engine load (asyncrl.models.qlora), adapter in full precision
+    if ctx.qlora:  # the 4-bit NF4 base the recipe and the HF engine load (asyncrl.models.qlora); the adapter: full
         from asyncrl.models.qlora import load_quantized_base
 
         model = load_quantized_base(ctx.model, dtype=ctx.dtype)

@@ -5,7 +5,7 @@
 Each task builds a fresh policy (:func:`asyncrl.check._policy.build_policy`), wraps it with
 :func:`asyncrl.train.parallel.parallelize` and gives it the recipe's optimizer (AdamW over the trainable parameters),
 a real :class:`~asyncrl.RolloutLoader` (no local workers: its pool and ledger, nothing generating) and a
-:class:`~asyncrl.checkpoint.checkpointer.Checkpointer`:
+:class:`~asyncrl.checkpoint.Checkpointer`:
 
 * ``save``: one optimizer step on a fixed batch (so AdamW's ``exp_avg``/``exp_avg_sq``/``step`` are not
   trivial), policy version 3 to the loader, an RNG state of this rank's own, then ``Checkpointer.save``;

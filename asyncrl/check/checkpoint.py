@@ -6,7 +6,7 @@
     launch x2:  load C1 (1 -> 2, resharded)  ── save C2 ── load C2 (x2, full)
     launch x1:  load C2 (2 -> 1, resharded)
 
-``save``: the library's :class:`~asyncrl.checkpoint.checkpointer.Checkpointer` after one AdamW step (``exp_avg``,
+``save``: the library's :class:`~asyncrl.checkpoint.Checkpointer` after one AdamW step (``exp_avg``,
 ``exp_avg_sq`` and ``step`` non-trivial), with a real :class:`~asyncrl.RolloutLoader` (its pool and ledger; no
 workers) at policy version 3 and a rank-specific RNG state. ``load`` at the same world size is
 ``Checkpointer.load`` (model, optimizer, RNG, loader, step and policy version); at another world size it is

@@ -134,7 +134,7 @@ class _NoLoader:
 
 
 def _resumed(chain: Chain, ctx: CheckContext) -> torch.nn.Module:
-    """The policy saved with :class:`~asyncrl.checkpoint.checkpointer.Checkpointer` (model + optimizer) and loaded into a fresh one."""
+    """The policy saved with :class:`~asyncrl.checkpoint.Checkpointer` (model + optimizer) and loaded into a fresh one."""
     from asyncrl.checkpoint.checkpointer import Checkpointer
 
     root = chain.dir / f"checkpoints-v{chain.version}"

@@ -275,8 +275,8 @@ class Checkpointer:
         keep: complete checkpoints kept besides whatever ``latest`` names; 0 keeps all.
         hook: called with ``(point, step)`` after each of :data:`SAVE_POINTS` on rank 0 (fault injection).
         base: the frozen base's reference, ``{"identity": {...}, "about": {...}}`` (JSON-able;
-            :func:`asyncrl.models.qlora.base_reference`). Given, checkpoints hold only the trainable parameters and their
-            optimizer state plus :data:`BASE`, and loading refuses a checkpoint whose ``identity`` differs.
+            :func:`asyncrl.models.qlora.base_reference`). Given, checkpoints hold only the trainable parameters and
+            their optimizer state plus :data:`BASE`, and loading refuses a checkpoint whose ``identity`` differs.
     """
 
     def __init__(self, root: str | os.PathLike, model: Any, optimizer: Any, loader: Any = None, *, keep: int = 2,

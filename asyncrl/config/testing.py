@@ -49,7 +49,7 @@ class TestingConfig:
     """Rank 0 sleeps inside the save of this step, after ``pause_in_save_point`` (the other ranks wait at the
     save's last barrier), to be killed in the middle of a save."""
     pause_in_save_point: str = "renamed"
-    """One of ``asyncrl.checkpoint.checkpointer.SAVE_POINTS``: "staged", "marked", "renamed" (the new step-N exists, latest
+    """One of ``asyncrl.checkpoint.SAVE_POINTS``: "staged", "marked", "renamed" (the new step-N exists, latest
     still names the previous one), "pointed", "pruned"."""
     inject_nan_at_step: int | None = None
     """NaN rewards in this step's batch (the update guard must reject the step)."""

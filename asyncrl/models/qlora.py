@@ -120,7 +120,7 @@ def _files_sha256(model_dir: Path) -> tuple[str, list[str]]:
 
 
 def base_reference(model: torch.nn.Module, model_dir: str | os.PathLike) -> dict[str, Any]:
-    """What a checkpoint records instead of the frozen base (:class:`asyncrl.checkpoint.checkpointer.Checkpointer` ``base=``).
+    """What a checkpoint records instead of the frozen base (:class:`asyncrl.checkpoint.Checkpointer` ``base=``).
 
     Returns:
         ``{"identity": {...}, "about": {...}}``: ``identity`` (compared at resume) holds ``weights_sha256`` (the

@@ -1,4 +1,4 @@
-"""The built-in reward functions (``reward.funcs`` names in :data:`asyncrl.rewards.reward_set.BUILTIN`), TRL's signature.
+"""The built-in reward functions (``reward.funcs`` names in :data:`asyncrl.rewards.BUILTIN`), TRL's signature.
 
 Each takes the completions (a str, or TRL's conversational ``[{"role": "assistant", "content": ...}]``) and
 the prompt columns it needs as keywords, and ignores the rest (``**kwargs``): ``math_reward`` (``math-verify``

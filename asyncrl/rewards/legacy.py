@@ -33,20 +33,20 @@ def fake_reward(prompts: Sequence[Any], completions: Sequence[Completion]) -> li
 
 
 def arithmetic_reward(prompts: Sequence[Any], completions: Sequence[Completion]) -> list[dict[str, float]]:
-    """The embedded task's reward (:func:`asyncrl.rewards.builtin.arithmetic_reward`) on prompt items and Completions."""
+    """The embedded task's reward (:func:`asyncrl.rewards.arithmetic_reward`) on prompt items and Completions."""
     return builtin.arithmetic_reward([c.text or "" for c in completions], [p["answer"] for p in prompts],
                                      [c.finish_reason for c in completions])
 
 
 def load_reward(spec: str) -> Callable[..., Any]:
-    """Imports ``"module:function"`` (or a built-in name of :data:`asyncrl.rewards.reward_set.BUILTIN`)."""
+    """Imports ``"module:function"`` (or a built-in name of :data:`asyncrl.rewards.BUILTIN`)."""
     return load_reward_func(spec)[1]
 
 
 def call_reward(fn: Callable[..., Any], prompts: Sequence[Any], completions: Sequence[Completion]) -> list[Any]:
     """Calls one old-form reward function, sync or async, on one batch; checks it returned one value per completion.
 
-    A one-off helper: the worker scores with :class:`asyncrl.rewards.reward_set.RewardSet`, which keeps one event loop.
+    A one-off helper: the worker scores with :class:`asyncrl.rewards.RewardSet`, which keeps one event loop.
     """
     values = fn(prompts, completions)
     if inspect.isawaitable(values):

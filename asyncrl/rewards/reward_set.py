@@ -37,11 +37,10 @@ guilty groups fail and nothing is generated twice.
 Legacy functions ``f(prompts, completions)`` (exactly two parameters, no ``completion_ids``, no ``**kwargs``)
 get the prompt items and :class:`~workers.engines.base.Completion` objects, as before.
 
-Built in (``reward.funcs`` names, :mod:`asyncrl.rewards.builtin`, re-exported by :mod:`asyncrl.rewards`): ``math`` (:func:`math_reward`,
-``math-verify``), ``format`` (:func:`format_reward`), ``reasoning_gym`` (:func:`reasoning_gym_reward`, the
-task's own ``score_answer``), ``arithmetic`` (:func:`arithmetic_reward`, the embedded task), ``visual``
-(:func:`visual_reward`, the visual tasks) and ``fake``
-(:func:`fake_reward`).
+Built in (``reward.funcs`` names, :mod:`asyncrl.rewards.builtin`, re-exported by :mod:`asyncrl.rewards`): ``math``
+(:func:`math_reward`, ``math-verify``), ``format`` (:func:`format_reward`), ``reasoning_gym``
+(:func:`reasoning_gym_reward`, the task's own ``score_answer``), ``arithmetic`` (:func:`arithmetic_reward`, the embedded
+task), ``visual`` (:func:`visual_reward`, the visual tasks) and ``fake`` (:func:`fake_reward`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A tiny LLaVA-architecture vision-language model with the BPE tokenizer of :mod:`asyncrl.testing.tiny_bpe`, built locally.
+"""A tiny LLaVA-architecture vision-language model with the BPE tokenizer of ``tiny_bpe``, built locally.
 
 ``LlavaForConditionalGeneration`` with a CLIP vision tower and a Qwen2 language model is an architecture that both
 HF transformers (5.19) and vLLM (0.32, CPU) run from a local directory, with a processor (``LlavaProcessor``: a
@@ -10,8 +10,9 @@ Qwen2-VL model), so a Qwen2-VL directory works unchanged where torchvision is in
 
 At a tiny scale the directory looks like a LLaVA-1.5 model on a Qwen2.5 language model:
 
-- the tokenizer is :mod:`asyncrl.testing.tiny_bpe` 's byte-level BPE plus the vision special tokens ``<|vision_start|>``,
-  ``<|image_pad|>`` (the image placeholder the processor repeats once per image patch) and ``<|vision_end|>``;
+- the tokenizer is :mod:`asyncrl.testing.tiny_bpe` 's byte-level BPE plus the vision special tokens
+  ``<|vision_start|>``, ``<|image_pad|>`` (the image placeholder the processor repeats once per image patch) and
+  ``<|vision_end|>``;
 - the chat template is ChatML where a message's ``content`` is a string or a list of ``{"type": "text", "text":
   ...}`` / ``{"type": "image"}`` parts, an image rendered as ``<|vision_start|><|image_pad|><|vision_end|>``;
 - the image processor resizes and centre-crops to :data:`IMAGE_SIZE` px (CLIP's mean/std), so an image is

@@ -6,8 +6,9 @@
 gap's masks, :mod:`asyncrl.train.corrections`; ``mask_truncated_completions``), forms the ratio
 (``importance_sampling_level`` token or sequence (GSPO), ``epsilon`` / ``epsilon_high`` clipping, two-sided clipping
 ``delta``), takes the ``loss_type``'s surrogate and aggregation from the registry (:mod:`asyncrl.train.surrogates`:
-grpo / bnpo / dr_grpo / dapo / luspo, cispo / sapo / vespo) and adds the k3 KL to a reference model with ``beta``. The names and their meanings are TRL's
-(``GRPOConfig`` and ``GRPOTrainer._compute_loss``); :class:`~asyncrl.config.LossConfig` holds them.
+grpo / bnpo / dr_grpo / dapo / luspo, cispo / sapo / vespo) and adds the k3 KL to a reference model with ``beta``.
+The names and their meanings are TRL's (``GRPOConfig`` and ``GRPOTrainer._compute_loss``);
+:class:`~asyncrl.config.LossConfig` holds them.
 
 All functions take tensors laid out like ``datapipes.collate.collate_groups``: ``[B, L]`` per-token values
 aligned to ``input_ids`` and a boolean ``loss_mask`` that is True at generated response tokens. Values

@@ -1,8 +1,8 @@
 """The trainer's optimizer: AdamW, fused where torch has the kernel.
 
 Used by ``recipes/grpo.py`` and meant for a user's own loop (``recipes/drop_in.py``): the update guard
-(:mod:`asyncrl.train.guard`) snapshots and restores its state exactly and :mod:`asyncrl.checkpoint.checkpointer` saves it like any
-optimizer's. Nothing blocks but the step's kernels.
+(:mod:`asyncrl.train.guard`) snapshots and restores its state exactly and :mod:`asyncrl.checkpoint.checkpointer` saves
+it like any optimizer's. Nothing blocks but the step's kernels.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The trained policy wrapped for data parallelism: DDP replicas or FSDP2 shards (per decoder layer, then the root).
 
 ``parallelize(policy, "ddp" | "fsdp2", device)`` returns the module to train (``ddp`` at world size 1: the policy
-itself); the guard (:mod:`asyncrl.train.guard`), the checkpointer (:mod:`asyncrl.checkpoint.checkpointer`) and the publishable state
-(:mod:`asyncrl.weights.state`) accept either. A peft model is sharded through its base model's layers. Needs an
-initialised process group; DDP and FSDP2 block in their collectives during ``backward`` (every rank steps together).
+itself); the guard (:mod:`asyncrl.train.guard`), the checkpointer (:mod:`asyncrl.checkpoint.checkpointer`) and the
+publishable state (:mod:`asyncrl.weights.state`) accept either. A peft model is sharded through its base model's layers.
+Needs an initialised process group; DDP and FSDP2 block in their collectives during ``backward`` (every rank steps
+together).
 """
 
 from __future__ import annotations

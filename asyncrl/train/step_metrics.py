@@ -1,15 +1,14 @@
 """What a trainer step logs: batch and loss statistics over all ranks, and the pipeline's cumulative counters.
 
-:func:`batch_stats` all-reduces one step's reward mean, staleness (mean, max, histogram) and token count over
-the process group (no collective at world size 1); :func:`global_metrics` turns each rank's ``loss/*`` and
-``mismatch/*`` metrics (:func:`asyncrl.train.losses.compute_loss`, :func:`asyncrl.train.corrections.mismatch_metrics`) into the
-values of the whole step, each mean weighted by the count it is a mean over (:data:`STEP_METRIC_WEIGHTS`), so that a
-step logs the same numbers at 1 and N ranks. Both are collectives above world size 1: every rank calls each once per
-step, and blocks in it until all have (a rank whose metrics have other names fails there, naming them, instead
-of mixing them up).
-:func:`pipeline_counters` reads this rank's loader (pool, ledger, transport, what its workers report) and the
-weight broadcaster's counters, without blocking on anything but the loader's lock. All return the keys
-``metrics.jsonl`` carries (``recipes/grpo.py``; the freshness benchmark and ``asyncrl report`` read them).
+:func:`batch_stats` all-reduces one step's reward mean, staleness (mean, max, histogram) and token count over the
+process group (no collective at world size 1); :func:`global_metrics` turns each rank's ``loss/*`` and ``mismatch/*``
+metrics (:func:`asyncrl.train.losses.compute_loss`, :func:`asyncrl.train.corrections.mismatch_metrics`) into the values
+of the whole step, each mean weighted by the count it is a mean over (:data:`STEP_METRIC_WEIGHTS`), so that a step logs
+the same numbers at 1 and N ranks. Both are collectives above world size 1: every rank calls each once per step, and
+blocks in it until all have (a rank whose metrics have other names fails there, naming them, instead of mixing them up).
+:func:`pipeline_counters` reads this rank's loader (pool, ledger, transport, what its workers report) and the weight
+broadcaster's counters, without blocking on anything but the loader's lock. All return the keys ``metrics.jsonl``
+carries (``recipes/grpo.py``; the freshness benchmark and ``asyncrl report`` read them).
 """
 
 from __future__ import annotations

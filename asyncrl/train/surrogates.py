@@ -150,7 +150,8 @@ def token_mean(values: torch.Tensor, valid: torch.Tensor, config: LossConfig, al
     return values.sum() / valid.sum().float().clamp(min=1)
 
 
-def global_token_mean(values: torch.Tensor, valid: torch.Tensor, config: LossConfig, all_reduce: AllReduce) -> torch.Tensor:
+def global_token_mean(values: torch.Tensor, valid: torch.Tensor, config: LossConfig,
+                      all_reduce: AllReduce) -> torch.Tensor:
     """The sum over the valid tokens of all ranks / ranks: the same normaliser on every rank (``dapo``)."""
     count = valid.sum().float()
     if all_reduce is not None:

@@ -604,11 +604,10 @@ class NcclWeightReceiver(StagedReceiver):
         curve_server_key / curve_secret_key: the broadcaster's CURVE public key and this worker's secret
             key, for a broadcaster bound beyond loopback.
 
-    An update's tensors are views into this receiver's bucket buffers, valid until a newer version is
-    committed (the engine copies them into its own parameters when it applies them). What the worker's thread
-    calls (``poll``, ``wait``, ``commit``, ``stats``, ``close``) is :class:`~asyncrl.weights._receiver.StagedReceiver`'s;
-    its I/O thread is the control thread (the socket), which starts a data thread (formation, collectives,
-    checksums) of its own.
+    An update's tensors are views into this receiver's bucket buffers, valid until a newer version is committed (the
+    engine copies them into its own parameters when it applies them). What the worker's thread calls (``poll``,
+    ``wait``, ``commit``, ``stats``, ``close``) is :class:`~asyncrl.weights._receiver.StagedReceiver`'s; its I/O thread
+    is the control thread (the socket), which starts a data thread (formation, collectives, checksums) of its own.
     """
 
     uses_zmq = True

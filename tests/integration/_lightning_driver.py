@@ -33,7 +33,8 @@ class Policy(pl.LightningModule):
             group_size=2, batch_size=4, capacity=16, max_staleness=1, prefetch=1, num_workers=1, ordered=False,
             lease_timeout_s=30, wait_timeout_s=120, poll_timeout_s=0.2,
             transport=TransportConfig(heartbeat_s=0.2, peer_timeout_s=2.0),
-            worker=WorkerConfig(slots=4, max_batch=2, engine=FakeEngineConfig(max_new_tokens=8, seconds_per_token=0.001)),
+            worker=WorkerConfig(slots=4, max_batch=2,
+                                engine=FakeEngineConfig(max_new_tokens=8, seconds_per_token=0.001)),
         )
         prompts = [{"prompt_ids": [i % 200 + 1, 5]} for i in range(self.args.prompts)]
         self.loader = RolloutLoader(prompts, config)

@@ -24,7 +24,8 @@ def test_stalled_trainer_stops_generation_and_bounds_memory():
         max_staleness=None,
         wait_timeout_s=60,
         transport=TransportConfig(heartbeat_s=0.2, peer_timeout_s=5),
-        worker=WorkerConfig(slots=4, max_batch=2, engine=FakeEngineConfig(min_new_tokens=MAX_NEW_TOKENS, max_new_tokens=MAX_NEW_TOKENS)),
+        worker=WorkerConfig(slots=4, max_batch=2,
+                            engine=FakeEngineConfig(min_new_tokens=MAX_NEW_TOKENS, max_new_tokens=MAX_NEW_TOKENS)),
     )
     prompts = [{"prompt_ids": list(range(1, 17))} for _ in range(400)]
     with RolloutLoader(prompts, config) as loader:

@@ -3,10 +3,11 @@ gloo ranks, full and LoRA, the character-level and the BPE chat model) and each 
 stage, naming the thing: an FSDP2 shard at another rank's offset (``parallel``), a resume that drops the optimizer
 state (``checkpoint``), positions shifted by one for left-padded rows (``loss``).
 
-Faults come in through ``CheckContext.imports`` (modules every check process imports first), each monkeypatching
-one library function every rank calls: ``_fault_shard_offset`` (``asyncrl.train.parallel.parallelize``),
-``_fault_drop_optimizer`` (``Checkpointer.load_model``), ``_fault_left_positions`` (``asyncrl.train.logprobs.position_ids``).
-Rank launches cost an interpreter start each, so the matrix is split: the common cases here, the rest extended.
+Faults come in through ``CheckContext.imports`` (modules every check process imports first), each monkeypatching one
+library function every rank calls: ``_fault_shard_offset`` (``asyncrl.train.parallel.parallelize``),
+``_fault_drop_optimizer`` (``Checkpointer.load_model``), ``_fault_left_positions``
+(``asyncrl.train.logprobs.position_ids``). Rank launches cost an interpreter start each, so the matrix is split: the
+common cases here, the rest extended.
 """
 
 from __future__ import annotations

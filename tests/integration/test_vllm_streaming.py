@@ -3,9 +3,9 @@
 * continuous batching: a short group submitted with a long one comes back from ``poll`` while the long one is still
   decoding;
 * an in-flight full update (``keep``): the requests in flight come back with per-token version spans that change at
-  the update, and every span's logprobs equal the trainer's recomputation (``asyncrl.train.logprobs.token_logprobs``) under
-  that span's weights: the tokens after the update were computed on the prefix re-encoded with the new weights, not
-  on KV cache from the old ones (vLLM's recompute preemption at the pause); the control: vLLM's pause with
+  the update, and every span's logprobs equal the trainer's recomputation (``asyncrl.train.logprobs.token_logprobs``)
+  under that span's weights: the tokens after the update were computed on the prefix re-encoded with the new weights,
+  not on KV cache from the old ones (vLLM's recompute preemption at the pause); the control: vLLM's pause with
   ``clear_cache=False`` keeps that KV cache, and the post-update tokens then do not match;
 * ``abort``: every group in flight comes back ``Finished(aborted=True)`` once, nothing else of it, and the next
   submission of it is generated whole under the new weights;

@@ -1,4 +1,4 @@
-"""asyncrl.checkpoint.checkpointer.Checkpointer in one process (any loop's checkpoints): a save/load round trip restores
+"""asyncrl.checkpoint.Checkpointer in one process (any loop's checkpoints): a save/load round trip restores
 model, optimizer, RNG, step, policy version, extra and the loader's state; a step already on disk is not saved
 twice; a kill inside a save resumes from the previous complete checkpoint; asyncrl.checkpoint.run_dir's helpers for the
 lock and the records work without a process group."""

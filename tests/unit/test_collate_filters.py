@@ -8,7 +8,15 @@ import pytest
 import torch
 from torchdata.nodes import BaseNode, Loader
 
-from asyncrl.config import EngineConfig, FakeEngineConfig, LoaderConfig, TransportConfig, WorkerConfig, from_dict, to_dict
+from asyncrl.config import (
+    EngineConfig,
+    FakeEngineConfig,
+    LoaderConfig,
+    TransportConfig,
+    WorkerConfig,
+    from_dict,
+    to_dict,
+)
 from asyncrl.rollout import Group, Rollout
 from datapipes.collate import collate_groups
 from datapipes.filters import GroupFilter, has_reward_variance

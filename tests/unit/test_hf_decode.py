@@ -3,8 +3,8 @@ distribution the trainer recomputes.
 
 The lean loop's tokens are no longer ``generate``'s for the same seed (it draws by inverse CDF, one uniform per row,
 not ``torch.multinomial``), so what must hold is: every sampled token's logprob is the trainer's teacher-forced
-:func:`asyncrl.train.logprobs.token_logprobs` of it (within ``TOL``), with and without warpers, padding, stop tokens, a LoRA
-adapter and suppressed tokens; tokens top-k/top-p/suppression removed are never drawn; the sampler's frequencies
+:func:`asyncrl.train.logprobs.token_logprobs` of it (within ``TOL``), with and without warpers, padding, stop tokens, a
+LoRA adapter and suppressed tokens; tokens top-k/top-p/suppression removed are never drawn; the sampler's frequencies
 match a fixed distribution (chi-square, fixed seed); a seed replays a call's tokens; the stop/pad rules are
 ``generate``'s (a stopped row takes the pad, the loop ends when every row has stopped).
 """

@@ -141,7 +141,8 @@ def test_no_package_has_an_import_cycle():
 
 def test_import_asyncrl_is_light():
     tree = ast.parse((ROOT / "asyncrl" / "__init__.py").read_text())
-    project = [t for n in _top_level_imports(tree) for t in _targets("asyncrl", ROOT / "asyncrl" / "__init__.py", n, {})]
+    init = ROOT / "asyncrl" / "__init__.py"
+    project = [t for n in _top_level_imports(tree) for t in _targets("asyncrl", init, n, {})]
     assert not project, f"asyncrl/__init__.py imports {project} at module level; load public names on first access"
 
 

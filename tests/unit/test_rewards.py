@@ -1,5 +1,5 @@
-"""Reward functions (asyncrl.rewards.reward_set): the built-ins score known right and wrong answers, weighted lists add up
-with every component kept, async functions run concurrently on one event loop, and a raising function fails
+"""Reward functions (asyncrl.rewards.reward_set): the built-ins score known right and wrong answers, weighted lists add
+up with every component kept, async functions run concurrently on one event loop, and a raising function fails
 its group's lease only (the worker keeps serving). In-process, with the fake engine and a fake sender."""
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ def test_a_completion_no_function_scores_is_marked_unscored():
 def test_reward_config_checks_and_the_old_string_form():
     with pytest.raises(ValueError, match="reward.weights has 1 values for 2 reward.funcs"):
         RewardConfig(funcs=["math", "format"], weights=[1.0])
-    assert WorkerConfig(reward="asyncrl.rewards.builtin:arithmetic_reward").reward.funcs == ["asyncrl.rewards.builtin:arithmetic_reward"]
+    spec = "asyncrl.rewards.builtin:arithmetic_reward"
+    assert WorkerConfig(reward=spec).reward.funcs == [spec]
     cfg = WorkerConfig(reward=RewardConfig(funcs=["math"], weights=[0.5]))
     assert from_dict(WorkerConfig, to_dict(cfg)).reward == cfg.reward  # travels to workers as JSON
     with pytest.raises(ValueError, match="must be one of"):

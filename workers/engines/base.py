@@ -68,7 +68,7 @@ class Finished:
 def prompt_token_ids(prompt: Any, tokenizer: Any | None = None) -> torch.Tensor:
     """int32 token ids of a prompt item: ``{"prompt_ids": [...]}`` as given (what the trainer's ``data:``
     section sends: rendered once, :mod:`asyncrl.data.prompts`); otherwise ``{"messages": [...]}``, ``{"prompt": ...}``,
-    ``{"text": ...}`` or a str rendered by :func:`asyncrl.data.prompts.render_prompt`, the one rendering function (chat
+    ``{"text": ...}`` or a str rendered by :func:`asyncrl.data.render_prompt`, the one rendering function (chat
     turns with the tokenizer's chat template; text after the tokenizer's bos, or as UTF-8 bytes when there is
     no tokenizer: the fake engine).
 

@@ -23,8 +23,8 @@ the trainer's 4-bit QLoRA base (:func:`asyncrl.models.qlora.load_quantized_base`
 
 Long-tailed workloads (benchmarks): with ``engine.ignore_eos`` no stop token (EOS or
 ``stop_token_ids``) ends a response. Each response then has a target length: drawn from the lognormal
-of ``engine.length_tail`` (see :func:`workers.engines._rows.length_targets`) or, with ``length_tail = 0``, the token limit.
-The batch is generated to its longest target and each row is cut to its own (finish reason
+of ``engine.length_tail`` (see :func:`workers.engines._rows.length_targets`) or, with ``length_tail = 0``, the token
+limit. The batch is generated to its longest target and each row is cut to its own (finish reason
 ``length``); the sampling distribution, and so the per-token logprobs, are exactly those of a normal
 call. ``Completion.text`` is the text up to the first stop token, so rewards still score the answer.
 

@@ -48,9 +48,9 @@ those passes. Dropping a finished row copies every layer's cache, and so does ap
 writing the new rows into finished rows' slots copies only the new rows (``merges`` counts both paths): for 96
 groups of 8 through 64 rows, 32 in flight, ~10 % fewer CPU-seconds (median of 8 alternated rounds, 1.995 -> 1.815 s).
 
-Lengths follow the static path: ``engine.ignore_eos`` runs each sample to its :func:`~workers.engines._rows.length_targets`
-target (finish ``length``; text up to the first stop token); otherwise a stop token ends it (kept, finish ``stop``)
-or ``max_new_tokens`` does (finish ``length``).
+Lengths follow the static path: ``engine.ignore_eos`` runs each sample to its
+:func:`~workers.engines._rows.length_targets` target (finish ``length``; text up to the first stop token); otherwise a
+stop token ends it (kept, finish ``stop``) or ``max_new_tokens`` does (finish ``length``).
 
 Occupancy (:meth:`~workers.engines.base.Engine.occupancy`): a sequence is busy from admission to its own last
 token, less in-flight weight-update pauses; capacity is W x the wall time any sequence was running or queued,
