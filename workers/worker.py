@@ -47,7 +47,7 @@ from asyncrl.rewards.legacy import RewardFn
 from asyncrl.rewards.reward_set import RewardError, RewardSet
 from asyncrl.rollout import Group, Rollout, make_group_id
 from asyncrl.transport import ReceivedLease, RolloutSender, setup_rollout_sender
-from asyncrl.transport.zmq import MAX_STATUS_KEYS
+from asyncrl.pool.admission import MAX_STATUS_KEYS
 from asyncrl.weights.verify import WeightVerifier
 from workers import faults
 from workers.engines import Completion, Engine, GenerationRequest, build_engine

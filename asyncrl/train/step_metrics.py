@@ -35,7 +35,7 @@ WORKER_KEYS = ("busy_s", "uptime_s", "weight_apply_s", "rollouts_sent", "tokens_
                "idle_no_lease_seq_s", "idle_slots_full_seq_s", "pause_seq_s", "credits_withheld_window_s",
                "credits_withheld_capacity_s", "credits_withheld_bytes_s", "credits_withheld_no_prompt_s")
 """What each worker's status contributes to a metrics record (the streaming loop's occupancy split, then the
-pool's own seconds of credits withheld from the worker, by cause: ``asyncrl.transport.zmq.WITHHELD``)."""
+pool's own seconds of credits withheld from the worker, by cause: ``asyncrl.pool.admission.WITHHELD``)."""
 
 
 def batch_stats(rewards: torch.Tensor, staleness: torch.Tensor, num_tokens: int, device: torch.device) -> dict[str, Any]:

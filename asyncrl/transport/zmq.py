@@ -17,7 +17,10 @@ Who blocks on what:
 Credit-based flow control: a worker announces ``slots`` in HELLO (capped at ``gate.max_slots_per_peer``);
 the pool keeps at most that many leases outstanding per worker and at most ``capacity`` groups in
 flight overall, so a stalled trainer stops generation. Delivery is at-least-once (a lease can be
-re-issued); the pool deduplicates by uid.
+re-issued); the pool deduplicates by uid. Who is admitted and how many leases each gets is decided by
+:class:`asyncrl.pool.admission.Admission` (no socket); this module moves the messages, owns the socket, its
+monitor and CURVE, and counts every decision. Refused rollouts are kept for the debugger
+(:mod:`asyncrl.transport._rejected`).
 
 The gate (every refusal counted by reason in :meth:`ZmqRolloutReceiver.stats`): a group is accepted
 only from a worker that holds or held a lease for its prompt in this epoch (``not_leased_to_peer``)
@@ -43,18 +46,11 @@ import socket as pysocket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
 from asyncrl._logging import Throttle
-from asyncrl.codec import DecodeError, decode, encode
-from asyncrl.config import GateConfig, TransportConfig
-from asyncrl.pool.gate import GateError, check_group
-from asyncrl.pool.buffer import RolloutPool
-from asyncrl.rollout import Group, Rollout
-from asyncrl.transport import protocol as P
 from asyncrl._zmq.curve import (
     allowed_keys,
     client_secret_key,
@@ -64,6 +60,14 @@ from asyncrl._zmq.curve import (
     write_curve_key_file,
 )
 from asyncrl._zmq.io import IOThread, drain, is_loopback_bind
+from asyncrl.codec import DecodeError, decode, encode
+from asyncrl.config import GateConfig, TransportConfig
+from asyncrl.pool.admission import GREETED_PER_PEER, Admission, Peer
+from asyncrl.pool.buffer import RolloutPool
+from asyncrl.pool.gate import GateError, check_group
+from asyncrl.rollout import Group
+from asyncrl.transport import protocol as P
+from asyncrl.transport._rejected import RejectedRollouts
 from asyncrl.transport.base import HandshakeTimeout, PeerLost, ReceivedLease, RolloutReceiver, RolloutSender
 
 __all__ = [
@@ -81,27 +85,8 @@ TICK_S = 0.005
 HOUSEKEEPING_S = 0.05
 SHUTDOWN_LINGER_MS = 1000
 MAX_DRAIN = 256
-KEEP_REJECTED = 4
-"""Rollouts refused by validation kept for the debugger (the last few, each at most KEEP_REJECTED_BYTES)."""
-KEEP_REJECTED_BYTES = 1 << 20
-EVICT_AFTER_HEARTBEATS = 2.5
-"""A HELLO reusing a connected worker's id evicts that worker only once it has been silent this many
-``heartbeat_s`` (a restarted process takes seconds to start); otherwise the newcomer is refused."""
-GREETED_PER_PEER = 4
-"""Identities remembered for SHUTDOWN and late groups: at most this many times ``gate.max_peers``."""
 SHUTDOWN_ACK_S = 2.0
 """Longest a closing pool waits for its workers' BYE after SHUTDOWN (it reads the socket meanwhile)."""
-MAX_STATUS_KEYS = 64
-"""Most keys of a worker status (heartbeat) a pool keeps; a bigger status is ignored (the previous one stays),
-counted as ``statuses_refused`` and named in ``recent_errors``. The largest status a worker sends today has 30 keys (a
-streaming worker with weight verification and shadow or delta counters; 23 before streaming's occupancy split);
-a worker that builds a bigger one logs an error itself (``RolloutWorker._report``)."""
-WITHHELD = ("window", "capacity", "bytes", "no_prompt")
-"""Why the pool granted no credit to a worker that had free ones (:attr:`asyncrl.pool.buffer.RolloutPool.withheld`); the
-seconds of each are in the worker's entry of :meth:`ZmqRolloutReceiver.stats` as ``credits_withheld_{why}_s``:
-``window`` is the staleness window (groups leased and buffered that the trainer has not taken: a trainer slower
-than the workers), ``capacity`` the pool's ``capacity``, ``bytes`` its ``max_buffer_bytes``, ``no_prompt`` nothing
-left to lease. A worker short of leases with none of these growing is waiting on the credit round trip."""
 _MONITOR_EVENTS = {
     zmq.EVENT_ACCEPTED: "connections_accepted",
     zmq.EVENT_DISCONNECTED: "connections_dropped",
@@ -123,25 +108,6 @@ def check_bind_address(config: TransportConfig) -> None:
             "transport.curve_secret_key/curve_public_key (asyncrl.transport.zmq.generate_curve_keys) "
             "or transport.allow_insecure_remote=True on a trusted network"
         )
-
-
-@dataclass(slots=True)
-class _Peer:
-    identity: bytes
-    worker_id: str
-    slots: int
-    pid: int
-    host: str
-    joined: float
-    last_seen: float
-    groups: int = 0
-    status: dict[str, Any] | None = None
-    streaming: bool = False
-    """The worker streams (continuous batching): every free credit is granted at once, not topped up in halves."""
-    withheld_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(WITHHELD, 0.0))
-    """Seconds this worker asked for credits (it had free ones) and the pool granted none, by the pool's reason."""
-    withheld: str | None = None
-    """The pool's reason at the last grant pass (the time until the next pass is counted under it)."""
 
 
 class ZmqRolloutReceiver(RolloutReceiver):
@@ -194,12 +160,11 @@ class ZmqRolloutReceiver(RolloutReceiver):
         self._lock = threading.Lock()
         self._counters: collections.Counter[str] = collections.Counter()
         self._recent_errors: collections.deque[tuple[str, str]] = collections.deque(maxlen=32)
-        self._rejected: collections.deque[dict[str, Any]] = collections.deque(maxlen=KEEP_REJECTED)
+        self._rejected = RejectedRollouts()  # for the debugger
         self._throttle = Throttle(logger)  # repeated warnings (a prompt failing on every worker)
-        self._peers: dict[bytes, _Peer] = {}
-        self._granted_at = time.monotonic()
-        # identity -> worker id of every identity welcomed, oldest first, bounded (I/O thread only)
-        self._greeted: collections.OrderedDict[bytes, str] = collections.OrderedDict()
+        self.admission = Admission(pool, self.gate, heartbeat_s=config.heartbeat_s,
+                                   peer_timeout_s=config.peer_timeout_s, now=time.monotonic())
+        """Who is served and how many leases each gets (the pool's policy; this end only moves the messages)."""
         self._unroutable: set[bytes] = set()  # identities whose last send failed as unroutable (I/O thread)
 
     # -- public --------------------------------------------------------------------------------
@@ -226,11 +191,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
         with self._lock:
             out: dict[str, Any] = dict(self._counters)
             out["recent_errors"] = list(self._recent_errors)
-            out["workers"] = {
-                p.worker_id: {"pid": p.pid, "host": p.host, "slots": p.slots, "groups": p.groups, **(p.status or {}),
-                              **{f"credits_withheld_{why}_s": round(v, 4) for why, v in p.withheld_s.items()}}
-                for p in self._peers.values()
-            }
+        out["workers"] = self.admission.workers()
         return out
 
     def close(self, shutdown_workers: bool = True) -> None:
@@ -245,7 +206,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
     def _bad(self, identity: bytes, error: DecodeError) -> None:
         with self._lock:
             self._counters["bad_messages"] += 1
-            peer = self._peers.get(identity)
+            peer = self.admission.peers.get(identity)
             who = peer.worker_id if peer is not None else identity.hex()
             self._recent_errors.append((who, str(error)[:300]))
         if self._counters["bad_messages"] <= 10 or self._counters["bad_messages"] % 1000 == 0:
@@ -306,7 +267,8 @@ class ZmqRolloutReceiver(RolloutReceiver):
         libzmq drops a disconnected pipe's unread messages, so a SHUTDOWN still unread when the pool closed
         the connection was lost (seen under load: the worker waited, then exited with PeerLost; 2 of 30 runs
         of test_worker_serves_the_pools_that_answer with a core busy). Returns whether any SHUTDOWN left."""
-        told = {identity for identity in [*self._greeted, *self._peers] if self._send(sock, identity, P.SHUTDOWN, {})}
+        told = {identity for identity in [*self.admission.greeted, *self.admission.peers]
+                if self._send(sock, identity, P.SHUTDOWN, {})}
         waiting = set(told)
         deadline = time.monotonic() + SHUTDOWN_ACK_S
 
@@ -344,7 +306,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
             if self._cancel.is_set():
                 self._cancel.clear()
                 # only leases older than the pool's timeline: ones granted since the reset stay valid
-                for identity in list(self._peers):
+                for identity in list(self.admission.peers):
                     self._send(sock, identity, P.CANCEL, {"min_lease_id": self.pool.min_lease_id})
             if now >= next_housekeeping:  # deadlines are seconds; no need to scan every pass
                 next_housekeeping = now + HOUSEKEEPING_S
@@ -352,7 +314,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
                 self._reap(now)
             if now >= next_heartbeat:
                 next_heartbeat = now + self.config.heartbeat_s
-                for identity in list(self._peers):
+                for identity in list(self.admission.peers):
                     self._send(sock, identity, P.HEARTBEAT, {"policy_version": self.pool.policy_version,
                                                              "incarnation": self.pool.incarnation})
             self._grant(sock, now)
@@ -378,8 +340,8 @@ class ZmqRolloutReceiver(RolloutReceiver):
     def _drop_unroutable(self) -> None:
         """Peers whose connection is gone are dropped at once (their leases re-issued), and forgotten."""
         for identity in self._unroutable:
-            self._greeted.pop(identity, None)
-            if identity in self._peers:
+            self.admission.forget(identity)
+            if identity in self.admission.peers:
                 self._count("peers_unroutable")
                 self._drop_peer(identity, "workers_lost")
         self._unroutable.clear()
@@ -394,7 +356,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
             self._bad(identity, e)
             return
         now = time.monotonic()
-        peer = self._peers.get(identity)
+        peer = self.admission.peers.get(identity)
         if peer is not None:
             peer.last_seen = now
         if kind == P.HELLO:
@@ -409,48 +371,29 @@ class ZmqRolloutReceiver(RolloutReceiver):
             if peer is not None:  # counted against the prompt; poisoned after loader.max_prompt_failures
                 self.pool.lease_failed(body["lease_id"], peer.worker_id, body["error"][:2000])
         elif kind == P.BYE:
-            self._greeted.pop(identity, None)  # it left: no SHUTDOWN owed
+            self.admission.forget(identity)  # it left: no SHUTDOWN owed
             if peer is not None:
                 self._drop_peer(identity, "worker_left")
         elif peer is None:  # heartbeat from a worker we declared dead or never met
             self._send(sock, identity, P.RESYNC, {})
         elif kind == P.HEARTBEAT and isinstance(body.get("status"), dict):
-            status = body["status"]
-            if len(status) <= MAX_STATUS_KEYS and all(isinstance(k, str) and isinstance(v, (int, float, str)) for k, v in status.items()):
-                peer.status = {k: v[:200] if isinstance(v, str) else v for k, v in status.items()}
-            else:  # the previous status stays; a worker whose status grew past the limit must not go unnoticed
-                self._refused(identity, "statuses_refused", f"a status of {len(status)} keys (at most "
-                              f"{MAX_STATUS_KEYS}, values int/float/str) was ignored; the previous one stays",
-                              peer.worker_id)
+            refusal = self.admission.status(peer, body["status"])
+            if refusal is not None:  # the previous status stays; a status grown past the limit must not go unnoticed
+                self._refused(identity, refusal.reason, refusal.error, peer.worker_id)
 
     def _hello(self, sock: zmq.Socket, identity: bytes, body: dict[str, Any], now: float) -> None:
-        worker_id = body["worker_id"]
-        for other, p in list(self._peers.items()):
-            if p.worker_id == worker_id and other != identity:
-                if now - p.last_seen <= EVICT_AFTER_HEARTBEATS * self.config.heartbeat_s:
-                    # a live worker keeps its id: a newcomer reusing it is refused (it may retry HELLO)
-                    error = f"worker id {worker_id!r} is in use by a live peer"
-                    self._refused(identity, "hello_refused_id_in_use", error)
-                    return
-                self._drop_peer(other, "worker_restarted")  # restarted process, same id: the old one is silent
-                self._greeted.pop(other, None)
-        if identity not in self._peers and len(self._peers) >= self.gate.max_peers:
-            self._refused(identity, "hello_refused_max_peers", f"already serving gate.max_peers={self.gate.max_peers}")
+        greeting = self.admission.hello(identity, body, now)
+        for old, released in greeting.evicted:
+            self._dropped(old, "worker_restarted", released)
+        if greeting.refusal is not None:
+            self._refused(identity, greeting.refusal.reason, greeting.refusal.error)
             return
-        slots = body["slots"]
-        if slots > self.gate.max_slots_per_peer:
+        if greeting.capped:
             self._count("slots_capped")
-            slots = self.gate.max_slots_per_peer
-        self._greeted.pop(identity, None)
-        self._greeted[identity] = worker_id
-        while len(self._greeted) > GREETED_PER_PEER * self.gate.max_peers:
-            self._greeted.popitem(last=False)
-        if identity not in self._peers:
+        if greeting.joined:
             self._count("workers_joined")
-            logger.info("rank %d: worker %s joined (pid %d on %s)", self.rank, worker_id, body["pid"], body["host"])
-        with self._lock:
-            self._peers[identity] = _Peer(identity, worker_id, slots, body["pid"], body["host"][:128], now, now,
-                                          streaming=body.get("streaming") is True)
+            logger.info("rank %d: worker %s joined (pid %d on %s)", self.rank, body["worker_id"], body["pid"],
+                        body["host"])
         self._send(
             sock,
             identity,
@@ -478,23 +421,23 @@ class ZmqRolloutReceiver(RolloutReceiver):
             who = worker_id or identity.hex()
             logger.warning("rank %d: refused peer %s (%s, %d so far): %s", self.rank, who, reason, n, error)
 
-    def _group(self, sock: zmq.Socket, identity: bytes, peer: _Peer | None, body: dict[str, Any]) -> None:
+    def _group(self, sock: zmq.Socket, identity: bytes, peer: Peer | None, body: dict[str, Any]) -> None:
         lease_id = body["lease_id"]
         # a peer reaped after a late heartbeat is still known by the id it greeted with
-        worker_id = peer.worker_id if peer is not None else self._greeted.get(identity)
+        worker_id = self.admission.worker_of(identity)
         try:
             group = Group.from_wire(body["group"], group_size=self.pool.group_size)
             check_group(group, self.gate)
         except GateError as e:
             self._refused(identity, f"gate_{e.reason}", str(e), worker_id)
             self._count("groups_refused")
-            self._keep_rejected(worker_id, body["group"], e)
+            self._rejected.keep(worker_id, body["group"], e)
             if peer is not None:  # its lease is void: generate the prompt again elsewhere
                 self.pool.release_held(lease_id, peer.worker_id, "rejected")
             return
         except DecodeError as e:
             self._bad(identity, e)
-            self._keep_rejected(worker_id, body["group"])
+            self._rejected.keep(worker_id, body["group"])
             if peer is not None:  # its lease is void: generate the prompt again elsewhere
                 self.pool.release_held(lease_id, peer.worker_id, "rejected")
             return
@@ -517,71 +460,24 @@ class ZmqRolloutReceiver(RolloutReceiver):
             peer.groups += accepted > 0
             self.pool.release_held(lease_id, peer.worker_id, "rejected")
 
-    def _keep_rejected(self, worker_id: str | None, group: Any, error: GateError | None = None) -> None:
-        """Keeps copies of the (small) rollouts of a refused group: the one the gate named, or those that
-        fail validation themselves."""
-        rollouts = group.get("rollouts") if isinstance(group, dict) else None
-        for d in rollouts if isinstance(rollouts, list) else ():
-            if not isinstance(d, dict):
-                continue
-            if error is not None:
-                if d.get("uid") != error.uid:
-                    continue
-                reason: Exception = error
-            else:
-                try:
-                    Rollout.from_wire(d)
-                    continue
-                except DecodeError as e:
-                    reason = e
-            tensors = [v for v in d.values() if hasattr(v, "nbytes")]
-            if sum(t.nbytes for t in tensors) <= KEEP_REJECTED_BYTES:
-                kept = {k: v.clone() if hasattr(v, "clone") else v for k, v in d.items()}
-                with self._lock:
-                    self._rejected.append({"worker": worker_id, "error": str(reason)[:300], "rollout": kept})
-
     def rejected_rollouts(self) -> list[dict[str, Any]]:
-        with self._lock:
-            return list(self._rejected)
+        return self._rejected.list()
 
     def _drop_peer(self, identity: bytes, reason: str) -> None:
-        with self._lock:
-            peer = self._peers.pop(identity)
-            self._counters[reason] += 1
-        released = self.pool.release_worker(peer.worker_id, reason)
-        logger.info("rank %d: worker %s gone (%s); %d leases re-queued", self.rank, peer.worker_id, reason, len(released))
+        peer, released = self.admission.drop(identity, reason)
+        self._dropped(peer, reason, released)
+
+    def _dropped(self, peer: Peer, reason: str, released: list[Any]) -> None:
+        self._count(reason)
+        logger.info("rank %d: worker %s gone (%s); %d leases re-queued", self.rank, peer.worker_id, reason,
+                    len(released))
 
     def _reap(self, now: float) -> None:
-        for identity, peer in list(self._peers.items()):
-            if now - peer.last_seen > self.config.peer_timeout_s:
-                self._drop_peer(identity, "workers_lost")
+        for identity in self.admission.silent(now):
+            self._drop_peer(identity, "workers_lost")
 
     def _grant(self, sock: zmq.Socket, now: float) -> None:
-        # the time since the last pass counts as withheld for each worker the pool then withheld credits from
-        dt, self._granted_at = min(now - self._granted_at, 1.0), now
-        if not self._peers:
-            return
-        held = self.pool.outstanding()
-        blocked = None  # the pool granted nothing: nobody else gets any either, for the same reason
-        for identity, peer in list(self._peers.items()):
-            if peer.withheld is not None:
-                peer.withheld_s[peer.withheld] += dt
-            peer.withheld = None
-            if identity in self._unroutable:
-                continue
-            free = peer.slots - held[peer.worker_id]
-            # top up in batches (half the credits at once) unless the worker is about to run dry; a streaming
-            # worker refills a slot the moment a group leaves it, so it gets every free credit at once
-            if free <= 0 or (not peer.streaming and held[peer.worker_id] > 0 and free < max(1, peer.slots // 2)):
-                continue
-            if blocked is not None:
-                peer.withheld = blocked
-                continue
-            leases = self.pool.grant(peer.worker_id, free, now)
-            if not leases:
-                blocked = peer.withheld = self.pool.withheld or "no_prompt"
-                continue
-            peer.withheld = self.pool.withheld  # fewer than its free credits: the rest withheld
+        for peer, leases in self.admission.grants(now, skip=self._unroutable):
             body = {
                 "policy_version": self.pool.policy_version,
                 "incarnation": self.pool.incarnation,
@@ -597,7 +493,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
                     for lease in leases
                 ],
             }
-            if not self._send(sock, identity, P.LEASES, body):
+            if not self._send(sock, peer.identity, P.LEASES, body):
                 # never reached the worker: not a regeneration, and first in line for the next worker
                 self.pool.undeliver(leases)
                 self._count("leases_undeliverable", len(leases))

@@ -19,7 +19,8 @@ from asyncrl.pool.ledger import PromptLedger
 from asyncrl.pool.buffer import RolloutPool
 from asyncrl.rollout import Group, Rollout
 from asyncrl.transport import protocol as P
-from asyncrl.transport.zmq import GREETED_PER_PEER, ZmqRolloutReceiver
+from asyncrl.pool.admission import GREETED_PER_PEER
+from asyncrl.transport.zmq import ZmqRolloutReceiver
 
 pytestmark = pytest.mark.integration
 
@@ -268,7 +269,7 @@ def test_ghost_identities_are_bounded_and_do_not_inflate_regeneration():
         peak = len(loader.stats()["transport"]["workers"])
         consumed = first + _consume(it)
         stats = loader.stats()
-        greeted = len(loader.receiver._greeted)
+        greeted = len(loader.receiver.admission.greeted)
     for ghost in lingering:
         ghost.close()
     ctx.term()

@@ -16,7 +16,8 @@ from asyncrl import FakeEngineConfig, LoaderConfig, RolloutLoader, TransportConf
 from asyncrl.pool.ledger import PromptLedger
 from asyncrl.pool.buffer import RolloutPool
 from asyncrl.transport import setup_rollout_sender
-from asyncrl.transport.zmq import MAX_STATUS_KEYS, WITHHELD, ZmqRolloutReceiver
+from asyncrl.pool.admission import MAX_STATUS_KEYS, WITHHELD
+from asyncrl.transport.zmq import ZmqRolloutReceiver
 from tests.integration.test_lifeline import ENV, _alive, _parent, _wait_gone
 
 pytestmark = pytest.mark.integration

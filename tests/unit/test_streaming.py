@@ -165,7 +165,7 @@ def test_a_freed_slot_is_refilled_at_once_and_every_lease_is_answered_once():
     assert w.groups_sent == 16 and not sender.failed
     status = sender.status
     assert 0 < status["busy_seq_s"] <= status["capacity_seq_s"] and status["groups_resubmitted"] == 0
-    assert len(status) <= 24  # the pool keeps at most asyncrl.transport.zmq.MAX_STATUS_KEYS
+    assert len(status) <= 24  # the pool keeps at most asyncrl.pool.admission.MAX_STATUS_KEYS
     # 16 leases through 3 slots, handed out as fast as slots free: the slots are held nearly all the time
     assert 0.5 * 3 * status["uptime_s"] < status["leases_held_s"] <= 3 * status["uptime_s"]
 

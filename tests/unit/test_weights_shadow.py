@@ -390,7 +390,7 @@ def test_a_shadow_workers_largest_status_fits_the_pools_limit():
     """``weights_via_shadow`` and ``shadow_busy`` are two more heartbeat keys; the pool drops a status over
     ``MAX_STATUS_KEYS`` whole (policy_version with it; counted as statuses_refused), so the largest one -
     streaming, in-flight pauses, verifying, after a mismatch - must still fit, with a key to spare (shm sends no wire-byte keys)."""
-    from asyncrl.transport.zmq import MAX_STATUS_KEYS
+    from asyncrl.pool.admission import MAX_STATUS_KEYS
     from workers.engines.fake import FakeEngine
     from workers.worker import RolloutWorker
 
