@@ -12,8 +12,8 @@
 A receiver pulls the latest committed version (a worker that joins late gets the current weights;
 one that falls behind skips straight to the newest). A transfer that fails (peer gone, a bucket
 corrupted, a newer version published mid-transfer) is discarded whole and counted: the worker keeps
-generating with the version it has. One file per backend holds both ends (``zmq_weights.py`` across
-machines, ``shm_weights.py`` on one machine); CUDA IPC and NCCL plug in behind the same two classes.
+generating with the version it has. One file per backend holds both ends (``zmq.py`` across
+machines, ``shm.py`` on one machine, ``cuda_ipc.py`` and ``nccl.py`` for GPUs) behind the same two classes.
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ result does not match the checksum (``checksum_mismatch``: the receiver's base b
 broadcaster's). The backends count refusals by reason and heal by fetching that bucket in full.
 
 The backends' two ends: :func:`encode_bucket` (broadcaster) and :func:`apply_bucket` (receiver), and
-:class:`DeltaBase`, the receiver's committed buckets. Where they plug in: ``zmq_weights`` (a GET names
+:class:`DeltaBase`, the receiver's committed buckets. Where they plug in: ``asyncrl.weights.zmq`` (a GET names
 the receiver's base, a BUCKET may carry a ``delta`` header with the payload as its data frame). Not in
-``shm_weights``: its receivers verify and load the shared segment in place, so no bytes per receiver
+``asyncrl.weights.shm``: its receivers verify and load the shared segment in place, so no bytes per receiver
 are there to save.
 
 Who blocks on what: a :class:`DeltaCodec` never blocks and owns reusable zstd contexts and scratch
