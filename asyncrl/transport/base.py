@@ -118,6 +118,11 @@ class RolloutSender(abc.ABC):
         """True once every pool said SHUTDOWN."""
 
     @abc.abstractmethod
+    def set_ready(self) -> None:
+        """A sender built with ``ready=False`` (greeted, but granted no lease: its worker is still waiting for the
+        trainer's weights) now takes leases."""
+
+    @abc.abstractmethod
     def close(self) -> None: ...
 
 
@@ -144,8 +149,10 @@ def setup_rollout_sender(
     slots: int,
     server_key: str | None = None,
     streaming: bool = False,
+    ready: bool = True,
 ) -> RolloutSender:
+    """The sender for ``config``; ``ready=False``: the pools greet it but grant it nothing until ``set_ready()``."""
     from asyncrl.transport.zmq_transport import ZmqRolloutSender
 
     return ZmqRolloutSender(config, endpoints, worker_id=worker_id, slots=slots, server_key=server_key,
-                            streaming=streaming)
+                            streaming=streaming, ready=ready)
