@@ -10,16 +10,26 @@ keeps it until it dies too; that only delays the sweep). Before it makes a new d
 sweeps its siblings with the same prefix: one whose ``.owner`` it can lock has a dead owner and is removed.
 
 A directory is built under a hidden name and renamed into place once its lock is held, so every directory
-visible under the prefix is locked from its first moment and a sweep never races its maker. A crash before the
-rename leaves a hidden ``.{prefix}new-*`` directory, swept once it is older than :data:`UNLOCKED_GRACE_S`
-(younger, its maker may be between creating ``.owner`` and locking it) and its lock is free or it has none. A directory under the prefix without ``.owner`` was made by an asyncrl older than
-this module: it is named in a warning with its size, never removed (its owner may be alive).
+visible under the prefix is locked from its first moment and a sweep never races its maker. It is removed the
+other way round, by its owner or by a sweep that holds its lock: renamed to a hidden name first, then emptied,
+``.owner`` last. So a kill at any moment of making or removing leaves either a visible directory with an
+``.owner`` whose lock is free (swept by the next maker) or a hidden ``.{prefix}*`` one. A half-made one
+(``.{prefix}new-*``) is swept once it is older than :data:`UNLOCKED_GRACE_S` (younger, its maker may be between
+creating ``.owner`` and locking it) and its lock is free, or it has no ``.owner`` and no process of this user has a
+file in it open or mapped; a half-removed one (``.{prefix}gone-*``) at once on the same terms.
+
+A directory under the prefix without ``.owner`` was made by an asyncrl older than this module, or emptied by one
+whose removal started with ``.owner``: it is removed once it is older than the grace period and no process of
+this user has a file in it open or mapped (``/proc``; without ``/proc`` it is never removed), else named in a
+warning with its size and left alone. Only the process that made a directory removes it on close: a child forked
+without ``exec`` that closes its copy (a finalizer at its exit) releases its descriptor and nothing else.
 
 Who blocks on what: nothing; every lock attempt is non-blocking.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -41,7 +51,8 @@ UNLOCKED_GRACE_S = 60.0
 
 @dataclass(frozen=True, slots=True)
 class Swept:
-    """What one sweep removed (``removed``: paths and bytes) and left alone (``legacy``: made without an owner)."""
+    """What one sweep removed (``removed``: paths and bytes) and left alone (``legacy``: without an owner lock, and
+    in use or younger than the grace period)."""
 
     removed: tuple[tuple[str, int], ...] = ()
     legacy: tuple[tuple[str, int], ...] = ()
@@ -54,16 +65,42 @@ class Swept:
 class OwnedDir:
     """A scratch directory and the owner lock that marks it in use; :meth:`close` removes both."""
 
-    def __init__(self, path: Path, fd: int):
-        self.path, self._fd = path, fd
+    def __init__(self, path: Path, fd: int, prefix: str):
+        self.path, self._fd, self._prefix, self._pid = path, fd, prefix, os.getpid()
 
     def close(self) -> None:
-        """Removes the directory, then releases the lock (idempotent)."""
+        """Removes the directory (hidden first, ``.owner`` last), then releases the lock (idempotent). In a forked
+        child it only closes the child's copy of the lock's descriptor: the directory is its parent's."""
         if self._fd is None:
             return
-        shutil.rmtree(self.path, ignore_errors=True)
+        if os.getpid() == self._pid:
+            _remove(self.path, self._prefix)
         os.close(self._fd)  # the lock goes with the last descriptor of the file
         self._fd = None
+
+
+def _remove(path: Path, prefix: str) -> None:
+    """Removes ``path`` so that a kill at any moment leaves no visible directory without ``.owner``: renamed to a
+    hidden name first, then emptied, ``.owner`` last. The caller holds its lock (or it has no ``.owner``)."""
+    if not path.name.startswith("."):
+        hidden = path.with_name(f".{prefix}gone-{secrets.token_hex(4)}")
+        try:
+            os.rename(path, hidden)
+            path = hidden
+        except OSError:
+            return  # gone already
+    for entry in list(os.scandir(path)) if path.is_dir() else ():
+        if entry.name == OWNER:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+    with contextlib.suppress(OSError):
+        os.unlink(path / OWNER)
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
 
 
 def _size(path: Path) -> int:
@@ -77,7 +114,38 @@ def _size(path: Path) -> int:
     return total
 
 
-def _remove_if_dead(path: Path) -> int | None:
+def _in_use(path: Path) -> bool:
+    """True if a process of this user has a file under ``path`` open or mapped, or if that cannot be told."""
+    if not os.path.isdir("/proc/self/fd"):
+        return True
+    root, me = f"{path}{os.sep}", os.getuid()
+    for proc in os.scandir("/proc"):
+        if not proc.name.isdigit():
+            continue
+        try:
+            if proc.stat().st_uid != me:
+                continue
+            for fd in os.scandir(os.path.join(proc.path, "fd")):
+                if os.readlink(fd.path).startswith(root):
+                    return True
+            with open(os.path.join(proc.path, "maps")) as maps:
+                if root in maps.read():
+                    return True
+        except OSError:  # it exited meanwhile
+            continue
+    return False
+
+
+def _remove_if_unused(path: Path, prefix: str) -> int | None:
+    """Removes an unlocked-by-design ``path`` (no ``.owner``) if no process uses it: the bytes freed, or None."""
+    if _in_use(path):
+        return None
+    size = _size(path)
+    _remove(path, prefix)
+    return size
+
+
+def _remove_if_dead(path: Path, prefix: str) -> int | None:
     """Removes ``path`` if its owner is dead: returns the bytes freed, or None if it is alive or already gone."""
     try:
         fd = os.open(path / OWNER, os.O_RDWR)
@@ -91,21 +159,22 @@ def _remove_if_dead(path: Path) -> int | None:
         except BlockingIOError:
             return None  # a live owner holds it
         size = _size(path)
-        shutil.rmtree(path, ignore_errors=True)
+        _remove(path, prefix)
         return size
     finally:
         os.close(fd)
 
 
 def sweep_dead(prefix: str, base: str | os.PathLike) -> Swept:
-    """Removes the directories under ``base`` named ``prefix*`` (or half-made ``.{prefix}new-*``) whose owner died."""
+    """Removes the directories under ``base`` named ``prefix*`` (or half made or half removed, ``.{prefix}*``) whose
+    owner died, and those without an owner that are past the grace period and used by no process."""
     removed, legacy = [], []
     try:
         entries = list(os.scandir(base))
     except OSError:
         return Swept()
     for entry in entries:
-        hidden = entry.name.startswith(f".{prefix}new-")
+        hidden = entry.name.startswith(f".{prefix}")
         if not (hidden or entry.name.startswith(prefix)):
             continue
         try:
@@ -117,25 +186,27 @@ def sweep_dead(prefix: str, base: str | os.PathLike) -> Swept:
         except OSError:
             continue
         path = Path(entry.path)
-        if hidden and age <= UNLOCKED_GRACE_S:
+        gone = entry.name.startswith(f".{prefix}gone-")  # half removed: its remover held the lock throughout
+        if hidden and not gone and age <= UNLOCKED_GRACE_S:
             continue  # its maker may be between creating .owner and locking it
         if has_owner:
-            freed = _remove_if_dead(path)
-            if freed is not None:
-                removed.append((entry.path, freed))
-        elif hidden:
-            freed = _size(path)
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append((entry.path, freed))
+            freed = _remove_if_dead(path, prefix)
+        elif gone or age > UNLOCKED_GRACE_S:
+            freed = _remove_if_unused(path, prefix)
         else:
+            freed = None
+        if freed is not None:
+            removed.append((entry.path, freed))
+        elif not has_owner and not hidden:
             legacy.append((entry.path, _size(path)))
     if removed:
         logger.info("removed %d scratch directories of dead processes (%.1f MB): %s", len(removed),
                     sum(n for _, n in removed) / 1e6, ", ".join(p for p, _ in removed))
     if legacy:
-        logger.warning("%d directories %s* (%.1f MB) were made by an older asyncrl without an owner lock and are "
-                       "left alone; remove them by hand once no run uses them: %s", len(legacy),
-                       os.path.join(str(base), prefix), sum(n for _, n in legacy) / 1e6, " ".join(p for p, _ in legacy))
+        logger.warning("%d directories %s* (%.1f MB) have no owner lock and are in use or younger than %.0f s: left "
+                       "alone for now (the next sweep removes them once no process uses them): %s", len(legacy),
+                       os.path.join(str(base), prefix), sum(n for _, n in legacy) / 1e6, UNLOCKED_GRACE_S,
+                       " ".join(p for p, _ in legacy))
     return Swept(tuple(removed), tuple(legacy))
 
 
@@ -160,7 +231,7 @@ def make_owned_dir(prefix: str, base: str | os.PathLike | None = None) -> tuple[
         if not final.exists():  # random names: a clash is a freak, and rename would replace an empty directory
             try:
                 os.rename(tmp, final)
-                return OwnedDir(final, fd), swept
+                return OwnedDir(final, fd, prefix), swept
             except OSError:  # made under that name meanwhile, or the half-made directory is gone
                 if not tmp.is_dir():
                     os.close(fd)

@@ -3,8 +3,10 @@
 ::
 
     resolve checkpoint ─► truncate consumed.jsonl ─► new incarnation ─► RolloutLoader (local workers, pool on --port)
+    until --epochs epochs are trained:
          for batch in loader:   record it ─► set_policy_version(v+1) ─► publish weights (shm, incarnation)
                                 every --every steps: CheckpointDir save (stage, write, commit; pausable)
+         at the epoch's end:    a save (unless its last step saved already): the end-of-epoch state
 
 A real trainer loop without the model: the "update" is ``version += 1``. What it writes into ``--run-dir``
 (the harness reads all of it; nothing here checks the guarantees):
@@ -21,9 +23,10 @@ A real trainer loop without the model: the "update" is ``version += 1``. What it
   ``trainer-rank0.pt`` = step, version, incarnation).
 
 Fault injection: if ``pause-request`` in the run directory names a save point (one of
-:data:`asyncrl.checkpoint.SAVE_POINTS` or ``written``: files written, not committed), the next save
-that reaches it writes ``paused.json`` ``{point, step, pid}`` and sleeps until the harness SIGKILLs it
-(at most ``PAUSE_S``, then it carries on and says so on stderr).
+:data:`asyncrl.checkpoint.SAVE_POINTS` or ``written``: files written, not committed), optionally as
+``point@step`` (only the save of that step), the next save that reaches it writes ``paused.json``
+``{point, step, pid}`` and sleeps until the harness SIGKILLs it (at most ``PAUSE_S``, then it carries on and
+says so on stderr).
 """
 
 from __future__ import annotations
@@ -112,7 +115,8 @@ class Pauser:
             wanted = (self.run_dir / "pause-request").read_text().strip()
         except FileNotFoundError:
             return
-        if wanted != point:
+        wanted, _, at = wanted.partition("@")
+        if wanted != point or (at and int(at) != step):
             return
         write_json(self.run_dir / "paused.json", {"point": point, "step": step, "pid": os.getpid()})
         time.sleep(PAUSE_S)  # the harness SIGKILLs us here
@@ -185,20 +189,24 @@ def main(args: argparse.Namespace) -> None:
         loader.load_state_dict(torch.load(path / "loader-rank0.pt", weights_only=True))
     loader.set_policy_version(version)
     broadcaster.publish({"w": torch.full((4,), float(version))}, version, incarnation=incarnation)
-    for batch in loader:
-        step += 1
-        line = record(batch, step, version, incarnation)
-        append_line(run / "history.jsonl", line)
-        append_line(run / "consumed.jsonl", line)  # before the checkpoint that counts it
-        version += 1  # the "optimizer step"
-        loader.set_policy_version(version)  # commits the batch
-        broadcaster.publish({"w": torch.full((4,), float(version))}, version, incarnation=incarnation)
-        if step % args.every == 0:
+    total = args.epochs * -(-args.prompts // BATCH_SIZE)
+    while step < total:
+        for batch in loader:
+            step += 1
+            line = record(batch, step, version, incarnation)
+            append_line(run / "history.jsonl", line)
+            append_line(run / "consumed.jsonl", line)  # before the checkpoint that counts it
+            version += 1  # the "optimizer step"
+            loader.set_policy_version(version)  # commits the batch
+            broadcaster.publish({"w": torch.full((4,), float(version))}, version, incarnation=incarnation)
+            if step % args.every == 0:
+                save(ckdir, loader, step, version, incarnation)
+            if step % 5 == 0:
+                write_json(run / "stats" / f"{incarnation}.json", {"step": step, **loader.stats()})
+            if args.step_sleep_s:
+                time.sleep(args.step_sleep_s)
+        if step % args.every and step < total:  # the epoch ended between checkpoints: save its end-of-epoch state
             save(ckdir, loader, step, version, incarnation)
-        if step % 5 == 0:
-            write_json(run / "stats" / f"{incarnation}.json", {"step": step, **loader.stats()})
-        if args.step_sleep_s:
-            time.sleep(args.step_sleep_s)
     stats = {"step": step, **loader.stats()}
     write_json(run / "stats" / f"{incarnation}.json", stats)
     loader.close()
@@ -213,6 +221,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--port", type=int, required=True, help="the pool's fixed loopback port (remote workers reconnect)")
     p.add_argument("--prompts", type=int, default=2000)
+    p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--workers", type=int, default=2, help="local workers")
     p.add_argument("--every", type=int, default=3, help="checkpoint every this many steps")
     p.add_argument("--resume", action="store_true", help="resume from the newest complete checkpoint")

@@ -6,7 +6,8 @@
        │                pool on a fixed loopback port ◄══ZeroMQ══ remote workers (asyncrl worker)
        │                                              ◄══════════ rogue peer (benchmarks/_chaos_rogue.py)
        └─ every tick (0.1 s): SIGKILL a local worker, replace a remote worker, SIGKILL the trainer (at a
-          random moment or paused inside a checkpoint save) and start it again with --resume, all by pid, when the run's
+          random moment, paused inside a checkpoint save, or right after an epoch end's checkpoint and again after
+          the resumed trainer's next one) and start it again with --resume, all by pid, when the run's
           progress crosses the next planned step; a phase without progress for --phase-deadline-s is a hang
           (reported, the trainer killed and resumed), the whole run is bounded by --run-deadline-s.
 
@@ -16,8 +17,8 @@ trainer, staler than ``max_staleness``, from a dead timeline (checked against ``
 pool's own timeline), from the rogue (``worker_id`` ``forged-*``) or out of the gate's ranges; every pid the
 harness or a trainer started is gone. The pool's counters are reported alongside.
 
-    .venv/bin/python -m benchmarks.chaos --prompts 2000 --worker-kills 50 --trainer-kills 5 --save-kills 20 \\
-        --hostile 100000 --rate 500 --out benchmarks/results/chaos-DATE.json
+    .venv/bin/python -m benchmarks.chaos --prompts 1000 --epochs 3 --epoch-end-resumes 2 --worker-kills 50 \\
+        --trainer-kills 5 --save-kills 20 --hostile 100000 --rate 500 --out benchmarks/results/chaos-DATE.json
 
 ``tests/chaos/test_chaos.py`` runs a short version in CI. The torchrun-killed scenario (a launcher's ranks
 and their workers die with it, the run directory's lock and records) is ``tests/integration/test_recipe.py``'s.
@@ -61,7 +62,13 @@ class ChaosConfig:
     """One chaos run."""
 
     prompts: int = 2000
-    """Prompts in the (single) epoch; the run trains ``ceil(prompts / 8)`` steps on its final timeline."""
+    """Prompts in an epoch; the run trains ``epochs * ceil(prompts / 8)`` steps on its final timeline."""
+    epochs: int = 1
+    """Epochs trained (every group of every epoch exactly once)."""
+    epoch_end_resumes: int = 0
+    """Chains of two resumes through an epoch end: the trainer is SIGKILLed right after the checkpoint of an
+    epoch's end, resumed, SIGKILLed again right after its next checkpoint, and resumed again (at most
+    ``epochs - 1``: the last epoch's end is the run's)."""
     workers: int = 2
     """Local workers the trainer starts (restarted by its launcher when killed)."""
     remote_workers: int = 1
@@ -93,7 +100,10 @@ class ChaosConfig:
     """Simulated training time per step in the trainer."""
 
     def __post_init__(self):
-        steps = math.ceil(self.prompts / T.BATCH_SIZE)
+        steps = self.epochs * math.ceil(self.prompts / T.BATCH_SIZE)
+        if not 0 <= self.epoch_end_resumes < max(self.epochs, 1):
+            raise ValueError(f"{self.epoch_end_resumes=} must be in [0, {self.epochs=} - 1]: the last epoch's end "
+                             "is the run's")
         kills = self.trainer_kills + self.save_kills
         if kills and steps < (kills + 1) * (self.every + 2):
             raise ValueError(f"{self.prompts=} gives {steps} steps, too few for {kills} trainer kills with "
@@ -153,7 +163,8 @@ class Harness:
         self.rng = random.Random(cfg.seed)
         self.port = free_port()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
-        self.total_steps = math.ceil(cfg.prompts / T.BATCH_SIZE)
+        self.epoch_steps = math.ceil(cfg.prompts / T.BATCH_SIZE)
+        self.total_steps = cfg.epochs * self.epoch_steps
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.trainer: subprocess.Popen | None = None
         self.trainers: list[subprocess.Popen] = []
@@ -174,6 +185,9 @@ class Harness:
         gap = self.total_steps / (len(kills) + 1)
         self.plan = [(int(gap * (i + 1) + self.rng.uniform(-0.3, 0.3) * (gap - cfg.every - 1)), k)
                      for i, k in enumerate(kills)]
+        # epoch-end chains: armed a few steps before the end of epochs 1, 2, ... (their own kind, in step order)
+        ends = [e * self.epoch_steps for e in range(1, cfg.epochs)][:cfg.epoch_end_resumes]
+        self.plan = sorted(self.plan + [(max(0, end - 2), f"epoch_end@{end}") for end in ends])
         self.save_points = 0
         # worker kills and remote replacements paced by steps trained (history), which only grows
         # (spaced over the final timeline's steps, so the quotas are met before its end despite rollbacks)
@@ -196,7 +210,8 @@ class Harness:
     def start_trainer(self, resume: bool) -> None:
         argv = [sys.executable, "-m", "benchmarks._chaos_trainer", "--run-dir", str(self.run), "--port",
                 str(self.port), "--prompts", str(self.cfg.prompts), "--workers", str(self.cfg.workers),
-                "--every", str(self.cfg.every), "--step-sleep-s", str(self.cfg.step_sleep_s)]
+                "--every", str(self.cfg.every), "--step-sleep-s", str(self.cfg.step_sleep_s),
+                "--epochs", str(self.cfg.epochs)]
         self.trainer = self._popen(argv + (["--resume"] if resume else []), f"trainer-{len(self.trainers)}")
         self.trainers.append(self.trainer)
         self.phase_start, self.phase_step = time.monotonic(), last_step(self.run / "consumed.jsonl")
@@ -291,6 +306,9 @@ class Harness:
                 time.sleep(self.rng.uniform(0, 0.3))  # a random moment inside a step
                 self.kill_trainer("random")
                 self.counts["trainer_kills"] += 1
+            elif kind.startswith("epoch_end@"):
+                self._epoch_end_chain(int(kind.split("@")[1]))
+                return True
             else:
                 self._kill_in_save()
             self.start_trainer(resume=True)
@@ -320,22 +338,36 @@ class Harness:
     def _kill_in_save(self) -> None:
         point = SAVE_KILL_POINTS[self.save_points % len(SAVE_KILL_POINTS)]
         self.save_points += 1
-        (self.run / "pause-request").write_text(point)
+        self._kill_when_paused(point)
+        self.counts["save_kills"] += 1
+        self.counts[f"save_kill_{point}"] += 1
+
+    def _epoch_end_chain(self, end: int) -> None:
+        """SIGKILL right after the checkpoint of the epoch's last step ``end``, resume; SIGKILL right after the
+        resumed trainer's next checkpoint (inside the next epoch), resume again."""
+        self._kill_when_paused("pruned", step=end)
+        self.start_trainer(resume=True)
+        self._kill_when_paused("pruned")
+        self.start_trainer(resume=True)
+        self.counts["epoch_end_resumes"] += 1
+
+    def _kill_when_paused(self, point: str, step: int | None = None) -> None:
+        """Asks the trainer to pause at ``point`` of its next save (of ``step``, if given), then SIGKILLs it there."""
+        (self.run / "pause-request").write_text(point if step is None else f"{point}@{step}")
         deadline = time.monotonic() + self.cfg.phase_deadline_s
         paused = self.run / "paused.json"
         while time.monotonic() < deadline and self.trainer.poll() is None:
             try:
                 info = json.loads(paused.read_text())
-                if info["pid"] == self.trainer.pid and info["point"] == point:
+                if info["pid"] == self.trainer.pid and info["point"] == point and step in (None, info["step"]):
                     break
             except (FileNotFoundError, ValueError):
                 pass
             time.sleep(0.02)
         else:
-            self.hangs.append({"what": f"save never reached {point}", "step": self.progress()})
-        self.kill_trainer(f"in save at {point}")
-        self.counts["save_kills"] += 1
-        self.counts[f"save_kill_{point}"] += 1
+            self.hangs.append({"what": f"save never reached {point}" + (f" of step {step}" if step else ""),
+                               "step": self.progress()})
+        self.kill_trainer(f"in save at {point}" + (f" of step {step}" if step else ""))
 
     def _check_orphans(self, now: float) -> None:
         keep = []
@@ -400,12 +432,12 @@ def _valid_on_timeline(inc: str, pv: int, live: str, version: int, lineage: dict
     return False
 
 
-def account(run_dir: Path, prompts: int, rogue: dict[str, Any] | None = None) -> dict[str, Any]:
+def account(run_dir: Path, prompts: int, rogue: dict[str, Any] | None = None, epochs: int = 1) -> dict[str, Any]:
     """The exactly-once figures of a finished run, from its logs (see the module docstring)."""
     consumed, history = read_lines(run_dir / "consumed.jsonl"), read_lines(run_dir / "history.jsonl")
     lineage = {row["incarnation"]: row for row in read_lines(run_dir / "lineage.jsonl")}
     counts = collections.Counter(g for row in consumed for g in row["group_ids"])
-    expected = {f"e0-p{i}" for i in range(prompts)}
+    expected = {f"e{e}-p{i}" for e in range(epochs) for i in range(prompts)}
     steps = [row["step"] for row in consumed]
     leased = {f"e{e}-p{i}" for e, i in (rogue or {}).get("leased_to_rogue", [])}
     bad: collections.Counter[str] = collections.Counter()
@@ -482,11 +514,12 @@ def run_chaos(cfg: ChaosConfig, run_dir: Path, log=print) -> dict[str, Any]:
     started = time.monotonic()
     procs = h.run_all()
     rogue = json.loads((run_dir / "rogue.json").read_text()) if (run_dir / "rogue.json").exists() else None
-    figures = account(run_dir, cfg.prompts, rogue)
+    figures = account(run_dir, cfg.prompts, rogue, epochs=cfg.epochs)
     figures.update({
         "worker_kills": h.counts["worker_kills"], "remote_kills": h.counts["remote_kills"],
         "remote_workers_started": h.counts["remote_started"],
         "trainer_kills": h.counts["trainer_kills"], "save_kills": h.counts["save_kills"],
+        "epoch_end_resumes": h.counts["epoch_end_resumes"],
         "save_kills_by_point": {p: h.counts[f"save_kill_{p}"] for p in SAVE_KILL_POINTS},
         "hostile_messages": rogue["hostile_messages"] if rogue else 0,
         "forged_groups_sent": rogue["forged_groups"] if rogue else 0,

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch.distributed as dist
 from torchdata.nodes import Batcher, Loader, Mapper
+from torchdata.nodes.loader import LoaderIterator
 
 from asyncrl.config import LoaderConfig
 from asyncrl.pool.ledger import PromptLedger
@@ -118,6 +119,11 @@ class RolloutLoader(Loader[TrainBatch]):
         )
         # per yielded batch: (pool reset generation, epoch, prompts); entries of an older generation are void
         self._uncommitted: collections.deque[tuple[int, int, list[int]]] = collections.deque()
+        self._fetch_pattern = _FetchPattern(config.prefetch, check=config.check_prefetch, rank=rank)
+        # batches the consumer still held when its fetch found the epoch's end (None: the epoch goes on); each
+        # update after that trained one of them (Lightning trains its prefetched batch after the StopIteration)
+        self._held_at_end: int | None = None
+        self.closed = False
         self.receiver: RolloutReceiver = setup_rollout_receiver(
             config.transport, self.pool, prompts.__getitem__, rank=rank, world_size=world_size, gate=config.gate
         )
@@ -139,7 +145,8 @@ class RolloutLoader(Loader[TrainBatch]):
             poll_timeout_s=config.poll_timeout_s,
             wait_timeout_s=config.wait_timeout_s,
             health_check=self._health_check,
-            before_state=self.commit,
+            before_state=self._commit_trained,
+            on_epoch_end=self._epoch_end,
         )
         node = GroupFilter(self.pool_node, group_filter) if group_filter is not None else self.pool_node
         node = Mapper(Batcher(node, config.batch_size, drop_last=False), self._recording(collate_fn))
@@ -155,10 +162,59 @@ class RolloutLoader(Loader[TrainBatch]):
 
         return prestart_workers(config.num_workers, engine=config.worker.engine.type)
 
+    def __iter__(self) -> LoaderIterator[TrainBatch]:
+        """The loader's iterator, as ``torchdata.nodes.Loader.__iter__`` but for the end of an epoch in a loaded state.
+
+        After a loaded state torchdata asks ``has_next()``, which caches the state dict before the ``next()`` that
+        raises ``StopIteration`` when the state was saved at an epoch end, and ``reset()`` never clears it: every
+        later ``state_dict()`` would return the loaded end-of-epoch state (groups trained twice on the next resume,
+        a policy version that stops moving). Here the epoch end is read from the ledger instead, without fetching:
+        nothing is cached and nothing blocks (an ``iter()`` right after ``load_state_dict`` must not wait for a
+        group, since the workers need the resumed weights first).
+
+        Raises:
+            RuntimeError: if the loader is closed.
+        """
+        self._check_open()
+        if self._it is None:
+            self._it = _RolloutLoaderIterator(self)
+        elif self._iter_for_state_dict:
+            self._iter_for_state_dict = False
+            return self._it  # made by state_dict() or load_state_dict(): continue from it
+        state, self._next_iter_state_dict = self._next_iter_state_dict, None
+        self._it.reset(state)
+        if state is not None and self.restart_on_stop_iteration and self.pool.ledger.all_delivered:
+            self._it.reset(None)  # saved at the end of an epoch: the next one starts
+        return self._it
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores a state saved by :meth:`state_dict` (this process or another), at once: ``policy_version``,
+        the ledger and the buffered rollouts are the saved ones when this returns, so weights published next carry
+        the resumed version. The next ``iter()`` continues from it (no group is fetched here).
+
+        Raises:
+            ValueError: if the state was saved with another dataset, seed, group size or number of ranks.
+            RuntimeError: if the loader is closed.
+        """
+        self._check_open()
+        self._next_iter_state_dict = state_dict
+        self._iter_for_state_dict = False
+        iter(self)
+        self._iter_for_state_dict = True
+        self._fetch_pattern.restart()
+        self._held_at_end = None
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"rank {self.rank}: this RolloutLoader is closed (its receiver and workers are "
+                               "stopped); build a new one to continue")
+
     def _recording(self, collate_fn: Callable[[list[Group]], Any]) -> Callable[[list[Group]], Any]:
         def collate(groups: list[Group]) -> Any:  # runs in the trainer thread, right before the batch is yielded
             if groups:
                 self._uncommitted.append((self.pool.min_lease_id, groups[0].epoch, [g.prompt_index for g in groups]))
+                self._fetch_pattern.fetched()
+                self._held_at_end = None
                 # fetching a batch means the consumer is done with all but the newest prefetch before it (FIFO):
                 # bounds what is held for re-delivery even in a loop that never commits
                 self._commit(keep=self.config.prefetch + 1)
@@ -174,7 +230,7 @@ class RolloutLoader(Loader[TrainBatch]):
         return [str(e) for e in endpoints]
 
     def _health_check(self) -> None:
-        if self.launcher is None:
+        if self.launcher is None or self.closed:
             return
         self.launcher.poll()
         if not self.launcher.recoverable():
@@ -207,17 +263,43 @@ class RolloutLoader(Loader[TrainBatch]):
         Raises:
             ValueError: if ``version`` is lower than the current one.
         """
+        self._check_open()
+        self._updated(self._fetch_pattern.committed(version))
         self.pool.set_policy_version(version)
-        self.commit()
+        self._commit(keep=self.config.prefetch)
 
     def commit(self) -> int:
         """Marks every group yielded so far as consumed (groups a filter dropped included), except those of
         the newest ``config.prefetch`` batches (fetched ahead, not trained yet). ``state_dict()`` does the
         same first, so the state a checkpoint saves re-delivers exactly the batches not trained yet.
-        Returns the number of groups consumed."""
+        Returns the number of groups consumed.
+
+        Raises:
+            RuntimeError: the consumer is seen to fetch batches ahead of the one it trains while the loader was
+                built with a smaller ``prefetch`` (see :class:`_FetchPattern`), or the loader is closed.
+        """
+        self._check_open()
+        self._updated(self._fetch_pattern.committed())
+        return self._commit(keep=self.config.prefetch)
+
+    def _epoch_end(self) -> None:
+        """The consumer's fetch found the end of the epoch: what it fetched and has not trained, it holds."""
+        if self._held_at_end is None:
+            generation, epoch = self.pool.min_lease_id, self.pool.ledger.epoch
+            held = sum((g, e) == (generation, epoch) for g, e, _ in self._uncommitted)
+            self._held_at_end = min(self.config.prefetch, held)
+
+    def _updated(self, trained: bool) -> None:
+        if trained and self._held_at_end:
+            self._held_at_end -= 1  # it trained one of the batches it held at the epoch's end
+
+    def _commit_trained(self) -> int:
+        """What ``state_dict()`` commits first: as :meth:`commit`, but not an update of the loop (and after close)."""
         return self._commit(keep=self.config.prefetch)
 
     def _commit(self, keep: int) -> int:
+        if self._held_at_end is not None:
+            keep = min(keep, self._held_at_end)
         while len(self._uncommitted) > keep:
             self._uncommitted.popleft()
         generation, epoch = self.pool.min_lease_id, self.pool.ledger.epoch
@@ -259,7 +341,11 @@ class RolloutLoader(Loader[TrainBatch]):
         return self.receiver.rejected_rollouts()
 
     def close(self) -> None:
-        """Stops the receiver (workers are told to shut down) and ends local workers."""
+        """Stops the receiver (workers are told to shut down) and ends local workers; from now on ``next()`` on any
+        of its iterators, ``iter()``, ``set_policy_version`` and ``load_state_dict`` raise, and no worker is
+        restarted."""
+        self.closed = True
+        self.pool_node.close()
         self._finalizer()
 
     def __enter__(self) -> RolloutLoader:
@@ -267,6 +353,68 @@ class RolloutLoader(Loader[TrainBatch]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _RolloutLoaderIterator(LoaderIterator[TrainBatch]):
+    """torchdata's ``LoaderIterator`` whose ``reset`` forgets what ``has_next()`` cached (a state dict taken before a
+    fetch that may have ended the epoch), so a cached state can never outlive the reset that made it stale."""
+
+    def reset(self, initial_state: dict[str, Any] | None = None):
+        super().reset(initial_state)
+        self._cached_state_dict = None
+
+
+class _FetchPattern:
+    """Tells a consumer that fetches batches ahead of the one it trains from one that does not, by when it commits.
+
+    A loop that fetches ``p`` batches ahead and trains ``a`` batches per update fetches ``a + p`` batches before its
+    first update and ``a`` before each later one that fetched anything (a loop may make several updates from one
+    batch, PPO epochs: those fetch nothing and say nothing here). A loader built with a smaller ``prefetch`` would
+    count the held batches as consumed at the next commit or ``state_dict()``, and a checkpoint would lose them
+    (Lightning fetches one batch ahead). So the first update after the first one that fetched, if it shows more
+    fetched ahead than ``prefetch``, raises, naming the fix, before it commits anything. ``check=False``
+    (``LoaderConfig.check_prefetch``) turns this off for a loop whose first update really takes more batches than
+    the later ones.
+    """
+
+    def __init__(self, prefetch: int, *, check: bool, rank: int):
+        self.prefetch, self.check, self.rank = prefetch, check, rank
+        self.restart()
+
+    def restart(self) -> None:
+        """A new iteration from a loaded state: the consumer's first fetches are counted again."""
+        self._since = 0  # batches fetched since the last update
+        self._first: int | None = None  # fetched before the first update (None: no update yet, or compared already)
+        self._updates = 0
+        self._version: int | None = None
+
+    def fetched(self) -> None:
+        self._since += 1
+
+    def committed(self, version: int | None = None) -> bool:
+        """An update: ``set_policy_version(version)`` or ``commit()`` (``version`` None). Returns False for a repeated
+        call (nothing fetched since the last one, and no new version): it trained nothing."""
+        since, self._since = self._since, 0
+        new_version = version is not None and version != self._version
+        self._version = version if version is not None else self._version
+        if since == 0 and not new_version:
+            return False
+        self._updates += 1
+        if self._updates == 1:
+            self._first = since
+        elif since and self._first is not None:  # the first later update that fetched: the loop's steady count
+            ahead, first, self._first = self._first - since, self._first, None
+            if self.check and ahead > self.prefetch:
+                raise RuntimeError(
+                    f"rank {self.rank}: the training loop fetches {ahead} batch(es) ahead of the one it trains "
+                    f"({first} batches fetched before its first update, {since} before a later one), but the "
+                    "RolloutLoader was "
+                    f"built with prefetch={self.prefetch}: a checkpoint would count the batches it holds as consumed "
+                    f"and lose them. Build the loader with prefetch={ahead} (and max_staleness >= {ahead}); under "
+                    "PyTorch Lightning use prefetch=1 and the asyncrl.integrations.lightning.RolloutSync callback. If your loop "
+                    "really trains more batches in its first update than in later ones, set check_prefetch=False."
+                )
+        return True
 
 
 def _max_restarts(restart_workers: bool | int) -> int | None:

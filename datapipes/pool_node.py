@@ -42,6 +42,7 @@ class RolloutPoolNode(BaseNode[Group]):
         before_state: called first by ``get_state()`` (the loader commits what the consumer has trained:
             every delivered group but those of the batches it fetched ahead). None: every delivered group
             counts as consumed in the state, as a plain torchdata node's would.
+        on_epoch_end: called when ``next()`` finds the epoch's end (before it raises ``StopIteration``).
     """
 
     STATE_VERSION = 1
@@ -57,6 +58,7 @@ class RolloutPoolNode(BaseNode[Group]):
         wait_timeout_s: float | None = None,
         health_check: Callable[[], None] | None = None,
         before_state: Callable[[], Any] | None = None,
+        on_epoch_end: Callable[[], Any] | None = None,
     ):
         super().__init__()
         self.pool = pool
@@ -65,9 +67,19 @@ class RolloutPoolNode(BaseNode[Group]):
         self.wait_timeout_s = wait_timeout_s
         self.health_check = health_check
         self.before_state = before_state
+        self.on_epoch_end = on_epoch_end
         self._epochs_started = 0
         self._yielded_since_reset = 0
         self._next_check = 0.0
+        self._closed = False
+
+    def close(self) -> None:
+        """From now on ``next()`` raises at once: the receiver and workers behind the pool are being stopped, and
+        a group still buffered must stay in the saved state rather than be yielded to a loop that believes it
+        closed the loader."""
+        self._closed = True
+        with self.pool.cond:
+            self.pool.cond.notify_all()  # a next() blocked in take() wakes and sees it
 
     def reset(self, initial_state: dict[str, Any] | None = None):
         super().reset(initial_state)
@@ -96,8 +108,16 @@ class RolloutPoolNode(BaseNode[Group]):
     def next(self) -> Group:
         waited_since = time.monotonic()
         while True:
+            if self._closed:
+                raise RuntimeError("the RolloutLoader is closed (its receiver and workers are stopped); build a new "
+                                   "one to continue")
             self._maybe_check_health(time.monotonic())
-            group = self.pool.take(timeout=self.poll_timeout_s)  # raises StopIteration at epoch end
+            try:
+                group = self.pool.take(timeout=self.poll_timeout_s)
+            except StopIteration:  # every prompt of the epoch delivered
+                if self.on_epoch_end is not None:
+                    self.on_epoch_end()
+                raise
             if group is not None:
                 self._yielded_since_reset += 1
                 return group

@@ -98,6 +98,8 @@ class LocalWorkerLauncher:
         self._restart_at: list[float | None] = [None] * num_workers  # scheduled restart per slot
         self.restart_delays: list[collections.deque[float]] = [collections.deque(maxlen=32) for _ in range(num_workers)]
         """The last waits (seconds) scheduled before restarting each slot."""
+        self.closed = False
+        """Set by :meth:`shutdown`: nothing is started or restarted any more."""
         self._finalizer = weakref.finalize(self, _terminate, self.procs)
 
     def _argv(self, i: int) -> list[str]:
@@ -119,6 +121,8 @@ class LocalWorkerLauncher:
             self._spawn(i)
 
     def _spawn(self, i: int) -> None:
+        if self.closed:
+            raise RuntimeError(f"launcher {self.name} is shut down: worker slot {i} is not started")
         self._started_at[i] = self.clock()
         argv = self._argv(i)
         # a first start takes a prestarted interpreter (workers.prestart: its imports are done) if one waits
@@ -141,6 +145,7 @@ class LocalWorkerLauncher:
         """
         now = self.clock()
         dead = []
+        restart = restart and not self.closed
         for i, p in enumerate(self.procs):
             if p is not None and p.poll() is not None:
                 dead.append((i, p.returncode))
@@ -153,7 +158,7 @@ class LocalWorkerLauncher:
                     logger.warning("worker %s-%d (pid %d) exited with %s after %.1f s; restart %d of %s in %.1f s",
                                    self.name, i, p.pid, p.returncode, now - self._started_at[i], self.restarts[i] + 1,
                                    "unlimited" if self.max_restarts is None else self.max_restarts, delay)
-                else:
+                elif not self.closed:
                     logger.warning("worker %s-%d (pid %d) exited with %s; not restarted (%d restarts used of %s)",
                                    self.name, i, p.pid, p.returncode, self.restarts[i], self.max_restarts)
         for i, due in enumerate(self._restart_at):
@@ -203,6 +208,9 @@ class LocalWorkerLauncher:
         return p.pid
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Ends every worker (SIGTERM, then SIGKILL after ``timeout``); no slot is restarted afterwards."""
+        self.closed = True
+        self._restart_at = [None] * self.num_workers
         _terminate(self.procs, timeout)
 
 

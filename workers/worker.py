@@ -386,58 +386,88 @@ def run_worker(
     parent_pid: int | None = None,
     server_key: str | None = None,
 ) -> None:
-    """Builds the engine and reward, connects to the pools and serves until shut down."""
+    """Builds the engine and reward, connects to the pools and serves until shut down.
+
+    Order: the pools are greeted first (a trainer that is gone fails the handshake within
+    ``transport.handshake_timeout_s``), saying the worker is not ready; then the weight receiver starts and the
+    current weights are awaited (``weights.wait_for_first_s``; a pool's SHUTDOWN ends the wait at once); only then
+    do the pools grant it leases, so a late joiner holds none while it waits.
+    """
     engine = build_engine(config.engine)
     reward_fn = RewardSet.from_config(config.reward)
     environment = load_environment(config.environment) if config.environment else None
-    receiver = None
-    if config.weights.type != "none":
-        from asyncrl.weights import setup_weight_receiver
-
-        if not config.weights.address:
-            raise ValueError(f"worker.weights.type={config.weights.type!r} needs worker.weights.address")
-        delta = {"delta": True} if config.weights.delta and config.weights.type == "zmq" else {}  # shm: none
-        if config.weights.type == "zmq":  # the rollout channel's CURVE keys guard the weight channel too
-            delta.update(server_key=server_key, security=transport)
-        receiver = setup_weight_receiver(config.weights.type, config.weights.address, receiver_id=worker_id, **delta)
-        if config.weights.shadow:  # the receiver fills the engine's private copy; apply_weights swaps it in
-            receiver.attach_shadow(engine.shadow_weights())
-        receiver.start()
-    worker = RolloutWorker(
-        worker_id,
-        engine,
-        reward_fn,
-        None,  # type: ignore[arg-type] - connected below, once the current weights are in
-        max_batch=config.max_batch,
-        parent_pid=parent_pid,
-        weights=receiver,
-        environment=environment,
-        interrupt_every_tokens=config.interrupt_every_tokens,
-        fault=config.testing.worker_fault,
-        catch_up_s=config.weights.catch_up_s,
-        streaming=config.streaming,
-        slots=config.slots,
-        weights_in_flight=config.weights_in_flight,
-        verifier=None if receiver is None or config.weights.verify == "off" else WeightVerifier(
-            config.weights.verify, sample=config.weights.verify_sample, full_every=config.weights.verify_full_every),
-    )
-    if receiver is not None:  # a late joiner starts from the current weights, not the initial ones
-        first = receiver.wait(0, timeout=config.weights.wait_for_first_s)
-        if first is None:
-            logger.warning("worker %s: no weights within %s s (worker.weights.wait_for_first_s); "
-                           "starting with the engine's own", worker_id, config.weights.wait_for_first_s)
-        else:
-            worker.apply_staged_weights(first)
+    wants_weights = config.weights.type != "none"
+    if wants_weights and not config.weights.address:
+        raise ValueError(f"worker.weights.type={config.weights.type!r} needs worker.weights.address")
     sender = setup_rollout_sender(transport, endpoints, worker_id=worker_id, slots=config.slots, server_key=server_key,
-                                  streaming=config.streaming)
-    worker.sender = sender
+                                  streaming=config.streaming, ready=not wants_weights)
     sender.start()
-    logger.info("worker %s: serving %s at policy version %d", worker_id, list(endpoints), engine.policy_version)
+    receiver = None
     try:
+        if wants_weights:
+            from asyncrl.weights import setup_weight_receiver
+
+            delta = {"delta": True} if config.weights.delta and config.weights.type == "zmq" else {}  # shm: none
+            if config.weights.type == "zmq":  # the rollout channel's CURVE keys guard the weight channel too
+                delta.update(server_key=server_key, security=transport)
+            receiver = setup_weight_receiver(config.weights.type, config.weights.address, receiver_id=worker_id,
+                                             **delta)
+            if config.weights.shadow:  # the receiver fills the engine's private copy; apply_weights swaps it in
+                receiver.attach_shadow(engine.shadow_weights())
+            receiver.start()
+        worker = RolloutWorker(
+            worker_id,
+            engine,
+            reward_fn,
+            sender,
+            max_batch=config.max_batch,
+            parent_pid=parent_pid,
+            weights=receiver,
+            environment=environment,
+            interrupt_every_tokens=config.interrupt_every_tokens,
+            fault=config.testing.worker_fault,
+            catch_up_s=config.weights.catch_up_s,
+            streaming=config.streaming,
+            slots=config.slots,
+            weights_in_flight=config.weights_in_flight,
+            verifier=None if receiver is None or config.weights.verify == "off" else WeightVerifier(
+                config.weights.verify, sample=config.weights.verify_sample,
+                full_every=config.weights.verify_full_every),
+        )
+    except BaseException:
+        _close(sender, receiver, reward_fn, engine)
+        raise
+    try:
+        if receiver is not None:  # a late joiner starts from the current weights, not the initial ones
+            first = _first_weights(receiver, sender, config.weights.wait_for_first_s)
+            if sender.done:
+                logger.info("worker %s: the trainer shut down while this worker waited for its weights", worker_id)
+                return
+            if first is None:
+                logger.warning("worker %s: no weights within %s s (worker.weights.wait_for_first_s); "
+                               "starting with the engine's own", worker_id, config.weights.wait_for_first_s)
+            else:
+                worker.apply_staged_weights(first)
+            sender.set_ready()
+        logger.info("worker %s: serving %s at policy version %d", worker_id, list(endpoints), engine.policy_version)
         worker.run()
     finally:
-        sender.close()
-        if receiver is not None:
-            receiver.close()
-        worker.rewards.close()
-        engine.close()
+        _close(sender, receiver, worker.rewards, engine)
+
+
+def _first_weights(receiver: Any, sender: RolloutSender, timeout: float) -> Any:
+    """The trainer's current weights, waited for in short slices so that a pool's SHUTDOWN ends the wait at once."""
+    deadline = time.monotonic() + timeout
+    while not sender.done and (remaining := deadline - time.monotonic()) > 0:
+        first = receiver.wait(0, timeout=min(remaining, 0.25))
+        if first is not None:
+            return first
+    return None
+
+
+def _close(sender: RolloutSender, receiver: Any, rewards: RewardSet, engine: Engine) -> None:
+    sender.close()
+    if receiver is not None:
+        receiver.close()
+    rewards.close()
+    engine.close()

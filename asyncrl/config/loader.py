@@ -71,6 +71,11 @@ class LoaderConfig:
     PyTorch Lightning (it fetches the next batch before training the current one). A yielded batch counts
     as consumed only once the update it fed is committed (``set_policy_version``/``commit``), and staleness
     is judged at the version it will be trained at; must be <= ``max_staleness``."""
+    check_prefetch: bool = True
+    """Refuse a loop seen to fetch more batches ahead than ``prefetch`` (it fetched more batches before its first
+    update than before the next one that fetched any): ``set_policy_version``/``commit`` raise with the fix, since a
+    checkpoint would lose the batches it holds. False: trust ``prefetch`` (a loop whose first update really takes
+    more batches than the later ones)."""
     ordered: bool = False
     """Yield groups in the ledger's (seeded) order rather than as they arrive: reproducible batches, at the
     cost of head-of-line blocking behind the slowest group."""

@@ -5,7 +5,8 @@ socket and no thread of its own. The rollout channel's I/O thread (``asyncrl/tra
 arrived (a HELLO, a status, a BYE, a group from an identity) and what time it is, sends what it decides (WELCOME or a
 refusal, LEASES) and counts every decision under the reason given here.
 
-- **Admission**: a HELLO registers a peer with its credits (``slots``, capped at ``gate.max_slots_per_peer``); at most
+- **Admission**: a HELLO registers a peer with its credits (``slots``, capped at ``gate.max_slots_per_peer``; none
+  granted while it says it is not ``ready``: it still waits for the trainer's weights); at most
   ``gate.max_peers`` are served; a HELLO reusing a live worker's id is refused (``hello_refused_id_in_use``) and
   evicts it only once it has been silent for :data:`EVICT_AFTER_HEARTBEATS` heartbeats (a restarted process); a peer
   silent for ``transport.peer_timeout_s`` is dropped and its leases go back to the pool.
@@ -68,6 +69,8 @@ class Peer:
     """Seconds this worker asked for credits (it had free ones) and the pool granted none, by the pool's reason."""
     withheld: str | None = None
     """The pool's reason at the last grant pass (the time until the next pass is counted under it)."""
+    ready: bool = True
+    """False while the worker waits for the trainer's weights (HELLO ``ready: false``): greeted, granted nothing."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +90,7 @@ class Greeting:
     evicted: list[tuple[Peer, list[Lease]]] = field(default_factory=list)
     """Silent peers with the newcomer's worker id, dropped for it, with their leases (already back in the pool)."""
     joined: bool = False
-    """A new peer (not one greeting again)."""
+    """A new peer (not one greeting again on its connection: ready now, or after hearing nothing)."""
     capped: bool = False
     """Its slots were capped at ``gate.max_slots_per_peer``."""
 
@@ -117,7 +120,11 @@ class Admission:
 
     # -- admission -------------------------------------------------------------------------------------------
     def hello(self, identity: bytes, body: dict[str, Any], now: float) -> Greeting:
-        """A HELLO (``worker_id``, ``slots``, ``pid``, ``host``, optional ``streaming``) from ``identity``."""
+        """A HELLO (``worker_id``, ``slots``, ``pid``, ``host``, optional ``streaming`` and ``ready``) from ``identity``.
+
+        A HELLO from a peer already registered on that connection under that id refreshes it (its credits, whether it
+        is ready); ``ready: false`` greets a worker that waits for the trainer's weights: it is granted nothing until
+        it greets again without it."""
         worker_id = body["worker_id"]
         greeting = Greeting()
         for other, p in list(self.peers.items()):
@@ -139,9 +146,15 @@ class Admission:
         self.greeted[identity] = worker_id
         while len(self.greeted) > GREETED_PER_PEER * self.gate.max_peers:
             self.greeted.popitem(last=False)
-        greeting.joined = identity not in self.peers
+        ready = body.get("ready") is not False
+        known = self.peers.get(identity)
+        if known is not None and known.worker_id == worker_id:  # greeted again (ready now, or it heard nothing)
+            known.slots, known.ready, known.last_seen = slots, ready, now
+            greeting.peer = known
+            return greeting
+        greeting.joined = True
         greeting.peer = Peer(identity, worker_id, slots, body["pid"], body["host"][:128], now, now,
-                             streaming=body.get("streaming") is True)
+                             streaming=body.get("streaming") is True, ready=ready)
         with self.lock:
             self.peers[identity] = greeting.peer
         return greeting
@@ -185,7 +198,7 @@ class Admission:
 
     # -- credits ---------------------------------------------------------------------------------------------
     def grants(self, now: float, skip: set[bytes] | frozenset[bytes] = frozenset()) -> list[tuple[Peer, list[Lease]]]:
-        """One grant pass: the leases each peer gets now (peers in ``skip``, unreachable, get none).
+        """One grant pass: the leases each peer gets now (peers in ``skip``, unreachable, and peers not ready get none).
 
         The time since the last pass is charged, as withheld, to each peer the pool withheld credits from then.
         A peer is topped up in batches (half its credits at once) unless it is about to run dry; a streaming peer
@@ -202,7 +215,7 @@ class Admission:
             if peer.withheld is not None:
                 peer.withheld_s[peer.withheld] += dt
             peer.withheld = None
-            if identity in skip:
+            if identity in skip or not peer.ready:
                 continue
             free = peer.slots - held[peer.worker_id]
             if free <= 0 or (not peer.streaming and held[peer.worker_id] > 0 and free < max(1, peer.slots // 2)):

@@ -54,6 +54,9 @@ logger = logging.getLogger(__name__)
 _throttle = Throttle(logger)
 _OFF_TIMELINE = {
     "ahead_of_trainer": "weights newer than the trainer (call set_policy_version(v) before publishing version v)",
+    "ahead_of_resumed_trainer": "weights newer than this trainer, made before it resumed from an older checkpoint "
+    "(the workers still hold the previous run's weights): publish the resumed weights with "
+    "incarnation=loader.incarnation, which receivers take whatever their version; until then they are refused",
     "dead_timeline": "weights of a rolled-back trainer incarnation (regenerated with the live weights)",
 }
 
@@ -139,6 +142,8 @@ class RolloutPool:
         self._partial: dict[int, dict[int, Rollout]] = {}
         self.buffered_bytes = 0
         self.min_lease_id = 0  # results of older leases belong to a timeline abandoned by a reset
+        # lease id -> worker of the leases a reset cancelled (bounded): their late answers are not forgeries
+        self._cancelled: collections.OrderedDict[int, str] = collections.OrderedDict()
         self._error: BaseException | None = None
         self.active = False  # no leases before the loader's first iter(): it may still load a state dict
         self.withheld: str | None = None
@@ -168,10 +173,13 @@ class RolloutPool:
             if off_timeline:  # the whole group: its rollouts share weights that the trainer never had
                 self.stats[off_timeline] += len(rollouts)
                 r = rollouts[0]
+                why = off_timeline
+                if why == "ahead_of_trainer" and r.incarnation != self.incarnation and len(self.timeline.segments) > 1:
+                    why = "ahead_of_resumed_trainer"  # not a call-order slip: the workers outlived the previous run
                 _throttle.warning(
-                    off_timeline, "pool refused rollouts of %s (policy_version %d, incarnation %r) at trainer version "
+                    why, "pool refused rollouts of %s (policy_version %d, incarnation %r) at trainer version "
                     "%d, incarnation %r: %s", r.group_id, r.policy_version, r.incarnation, self.policy_version,
-                    self.incarnation, _OFF_TIMELINE[off_timeline])
+                    self.incarnation, _OFF_TIMELINE[why])
                 return 0
             for r in rollouts:
                 reason = self._reject_reason(r)
@@ -302,6 +310,20 @@ class RolloutPool:
         ``epoch`` (the current epoch and timeline). The receiver refuses other groups (``not_leased_to_peer``)."""
         with self.cond:
             return epoch == self.ledger.epoch and self.ledger.held_by(prompt_index, worker_id)
+
+    def cancelled_lease_of(self, lease_id: int, worker_id: str) -> bool:
+        """True if ``lease_id`` was leased to ``worker_id`` and then cancelled by a reset (a loaded state, a new epoch):
+        a group answering it is late, not forged (the receiver counts it as ``cancelled_lease_answers``)."""
+        with self.cond:
+            return self._cancelled.get(lease_id) == worker_id
+
+    def _new_timeline(self) -> None:
+        """Cancels every outstanding lease (remembering whose it was) and opens a new lease timeline."""
+        for lease_id, lease in self.ledger.leases.items():
+            self._cancelled[lease_id] = lease.worker_id
+        while len(self._cancelled) > 4 * self.capacity:  # at most capacity leases are outstanding per reset
+            self._cancelled.popitem(last=False)
+        self.min_lease_id = self.ledger.new_timeline()
 
     def undeliver(self, leases: list[Lease]) -> None:
         """Takes back leases that never reached their worker; they count neither as leased nor regenerated."""
@@ -434,7 +456,7 @@ class RolloutPool:
     def start_epoch(self, epoch: int) -> None:
         """Abandons whatever is left of the current epoch and starts ``epoch``."""
         with self.cond:
-            self.min_lease_id = self.ledger.new_timeline()
+            self._new_timeline()
             self.stats["abandoned_uncommitted"] += len(self._delivered)
             self._delivered.clear()
             self._ready.clear()
@@ -471,7 +493,7 @@ class RolloutPool:
         if state["group_size"] != self.group_size:
             raise ValueError(f"pool state has group_size={state['group_size']} but this run has {self.group_size}")
         with self.cond:
-            self.min_lease_id = self.ledger.new_timeline()
+            self._new_timeline()
             self.ledger.load_state_dict(state["ledger"])
             self.policy_version = state["policy_version"]
             self.timeline.load_state_dict(state["timeline"], live=self.incarnation, version=self.policy_version)

@@ -50,7 +50,9 @@ def setup_rollout_sender(
     slots: int,
     server_key: str | None = None,
     streaming: bool = False,
+    ready: bool = True,
 ) -> RolloutSender:
-    """The sender of a worker serving the pools at ``endpoints`` (one per trainer rank), ``slots`` credits each."""
+    """The sender of a worker serving the pools at ``endpoints`` (one per trainer rank), ``slots`` credits each;
+    ``ready=False``: the pools greet it but grant it nothing until ``set_ready()``."""
     return ZmqRolloutSender(config, endpoints, worker_id=worker_id, slots=slots, server_key=server_key,
-                            streaming=streaming)
+                            streaming=streaming, ready=ready)

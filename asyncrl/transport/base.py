@@ -114,4 +114,9 @@ class RolloutSender(abc.ABC):
         """True once every pool said SHUTDOWN."""
 
     @abc.abstractmethod
+    def set_ready(self) -> None:
+        """A sender built with ``ready=False`` (greeted, but granted no lease: its worker is still waiting for the
+        trainer's weights) now takes leases."""
+
+    @abc.abstractmethod
     def close(self) -> None: ...

@@ -1,7 +1,8 @@
 """The rollout channel's wire protocol: message kinds and the checks on their bodies.
 
 Worker → pool: ``HELLO`` (register, with its credits; optional ``streaming: true``: grant each free credit at
-once), ``GROUP`` (one finished group for a lease),
+once; optional ``ready: false``: greet, but grant nothing until a later HELLO without it; a HELLO from a worker
+already registered on that connection refreshes it), ``GROUP`` (one finished group for a lease),
 ``FAILED`` (a lease it could not finish), ``HEARTBEAT``, ``BYE``.
 Pool → worker: ``WELCOME`` (handshake reply), ``LEASES`` (prompts to generate = credits granted),
 ``HEARTBEAT`` (carries the trainer's policy version), ``CANCEL`` (drop queued leases older than its

@@ -23,11 +23,14 @@ monitor and CURVE, and counts every decision. Refused rollouts are kept for the 
 (:mod:`asyncrl.transport._rejected`).
 
 The gate (every refusal counted by reason in :meth:`ZmqRolloutReceiver.stats`): a group is accepted
-only from a worker that holds or held a lease for its prompt in this epoch (``not_leased_to_peer``)
+only from a worker that holds or held a lease for its prompt in this epoch (``not_leased_to_peer``; a
+group answering a lease of this worker that a reset cancelled is counted apart, ``cancelled_lease_answers``)
 and only within :mod:`asyncrl.pool.gate`'s ranges (``gate_*``); a HELLO cannot evict a live worker by
 reusing its id (``hello_refused_id_in_use``) and at most ``gate.max_peers`` workers are served
-(``hello_refused_max_peers``); a peer that became unroutable is dropped at once. With CURVE, only the
-worker keys of ``transport.curve_allowed_keys[_file]`` pass the ZAP handshake (``curve_keys_refused``).
+(``hello_refused_max_peers``); a message from a peer that never said HELLO gets no answer
+(``messages_without_hello``), so a flood is not amplified; a peer that became unroutable is dropped at
+once. With CURVE, only the worker keys of ``transport.curve_allowed_keys[_file]`` pass the ZAP handshake
+(``curve_keys_refused``).
 ZeroMQ drops a connection whose frame exceeds ``max_message_bytes`` without saying why; a socket
 monitor counts every ended connection (``connections_dropped``) and failed handshake.
 
@@ -85,6 +88,8 @@ TICK_S = 0.005
 HOUSEKEEPING_S = 0.05
 SHUTDOWN_LINGER_MS = 1000
 MAX_DRAIN = 256
+REGREET_AFTER_HEARTBEATS = 2.5
+"""A worker that has heard nothing from a pool for this many ``heartbeat_s`` says HELLO again."""
 SHUTDOWN_ACK_S = 2.0
 """Longest a closing pool waits for its workers' BYE after SHUTDOWN (it reads the socket meanwhile)."""
 _MONITOR_EVENTS = {
@@ -359,6 +364,11 @@ class ZmqRolloutReceiver(RolloutReceiver):
         peer = self.admission.peers.get(identity)
         if peer is not None:
             peer.last_seen = now
+        elif kind not in (P.HELLO, P.GROUP) and identity not in self.admission.greeted:
+            # never said HELLO (or so long ago that it was forgotten): no answer, so a flood is not amplified
+            # (a GROUP goes on to be judged and counted: a forgery is counted as one, and not answered either)
+            self._count("messages_without_hello")
+            return
         if kind == P.HELLO:
             self._hello(sock, identity, body, now)
         elif kind == P.GROUP:
@@ -374,7 +384,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
             self.admission.forget(identity)  # it left: no SHUTDOWN owed
             if peer is not None:
                 self._drop_peer(identity, "worker_left")
-        elif peer is None:  # heartbeat from a worker we declared dead or never met
+        elif peer is None:  # heartbeat from a worker we greeted and then declared dead: it greets again
             self._send(sock, identity, P.RESYNC, {})
         elif kind == P.HEARTBEAT and isinstance(body.get("status"), dict):
             refusal = self.admission.status(peer, body["status"])
@@ -392,8 +402,8 @@ class ZmqRolloutReceiver(RolloutReceiver):
             self._count("slots_capped")
         if greeting.joined:
             self._count("workers_joined")
-            logger.info("rank %d: worker %s joined (pid %d on %s)", self.rank, body["worker_id"], body["pid"],
-                        body["host"])
+            logger.info("rank %d: worker %s joined (pid %d on %s%s)", self.rank, body["worker_id"], body["pid"],
+                        body["host"], "" if greeting.peer.ready else "; waiting for weights")
         self._send(
             sock,
             identity,
@@ -441,6 +451,11 @@ class ZmqRolloutReceiver(RolloutReceiver):
             if peer is not None:  # its lease is void: generate the prompt again elsewhere
                 self.pool.release_held(lease_id, peer.worker_id, "rejected")
             return
+        if worker_id is not None and self.pool.cancelled_lease_of(lease_id, worker_id):
+            self._count("cancelled_lease_answers")  # late, not forged: a reset cancelled the lease it answers
+            if peer is None:
+                self._send(sock, identity, P.RESYNC, {})
+            return
         if worker_id is None or not self.pool.held_by(group.epoch, group.prompt_index, worker_id):
             self._refused(
                 identity,
@@ -449,7 +464,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
                 worker_id,
             )
             self._count("groups_refused")
-            if peer is None:
+            if peer is None and worker_id is not None:  # greeted once, then declared dead: it greets again
                 self._send(sock, identity, P.RESYNC, {})
             return
         accepted = self.pool.add_rollouts(group.rollouts, lease_id=lease_id)
@@ -524,6 +539,7 @@ class ZmqRolloutSender(RolloutSender):
         slots: int,
         server_key: str | None = None,
         streaming: bool = False,
+        ready: bool = True,
     ):
         if not endpoints:
             raise ValueError("a worker needs at least one pool endpoint to connect to")
@@ -533,6 +549,8 @@ class ZmqRolloutSender(RolloutSender):
         self.slots = slots
         self.server_key = server_key
         self.streaming = streaming
+        self._ready = ready
+        self._greet_again = threading.Event()  # set_ready(): the I/O thread says HELLO again on every connection
         secret = client_secret_key(config)
         # the pool's allow-list names this worker's public key; without a configured key, a throw-away pair
         self._client_keys: tuple[bytes, bytes] = (
@@ -610,6 +628,10 @@ class ZmqRolloutSender(RolloutSender):
             raise RuntimeError("sender not started")
         self._pusher.send_multipart([b"%d" % conn, *frames], copy=False)
 
+    def set_ready(self) -> None:
+        self._ready = True
+        self._greet_again.set()
+
     @property
     def done(self) -> bool:
         """Every pool said SHUTDOWN (pools that never answered the handshake are not waited for)."""
@@ -665,6 +687,8 @@ class ZmqRolloutSender(RolloutSender):
         }
         if self.streaming:
             body["streaming"] = True
+        if not self._ready:
+            body["ready"] = False
         self._send(d, P.HELLO, body)
 
     def _send(self, d: zmq.Socket, kind: str, body: dict[str, Any]) -> None:
@@ -715,6 +739,8 @@ class ZmqRolloutSender(RolloutSender):
             events = dict(poller.poll(20))
             self._drain(pull, dealers)
             now = time.monotonic()
+            greet_again = self._greet_again.is_set()
+            self._greet_again.clear()
             for i, d in enumerate(dealers):
                 if d in events and drain(d, lambda frames, i=i, d=d: self._handle(i, d, frames), MAX_DRAIN):
                     last_seen[i] = now
@@ -729,6 +755,12 @@ class ZmqRolloutSender(RolloutSender):
                     else:
                         self._hello(d)
                         next_hello[i] = now + self.config.heartbeat_s
+                silent = now - last_seen[i] > REGREET_AFTER_HEARTBEATS * self.config.heartbeat_s
+                if self._welcomed[i] and not self._shutdown[i] and (greet_again or (silent and now >= next_hello[i])):
+                    # ready now; or the pool has been silent: it may know this connection under another identity
+                    # (a reconnect) and answers nothing to a peer that never said HELLO on it
+                    self._hello(d)
+                    next_hello[i] = now + self.config.heartbeat_s
                 if self._welcomed[i] and not self._shutdown[i] and now - last_seen[i] > self.config.peer_timeout_s:
                     self._lost[i] = True
             if now >= next_heartbeat:

@@ -1,5 +1,6 @@
-"""The chaos suite, short: a real run under worker, remote-worker and trainer SIGKILLs (one inside a checkpoint
-save), a rogue peer sending hostile frames, then exactly-once accounting from the consumed logs
+"""The chaos suite, short: a real run of two epochs under worker, remote-worker and trainer SIGKILLs (one inside a
+checkpoint save, two chained through the first epoch's end), a rogue peer sending hostile frames, then exactly-once
+accounting from the consumed logs
 (``benchmarks/chaos.py``; the long run is on demand, its figures in ``benchmarks/README.md``).
 
 The accounting itself is tested first on hand-made logs: each violation it must catch, caught.
@@ -76,16 +77,19 @@ def test_accounting_catches_each_violation(tmp_path, case, key):
 @pytest.mark.integration
 @pytest.mark.slow
 def test_chaos_short(tmp_path):
-    cfg = chaos.ChaosConfig(prompts=160, workers=2, remote_workers=1, worker_kills=3, remote_kills=1,
-                            trainer_kills=1, save_kills=1, hostile=1500, rate=300, every=3, seed=1,
-                            phase_deadline_s=60, run_deadline_s=240)
+    # two epochs of 12 steps; the first epoch's end is checkpointed, killed and resumed, then killed and resumed
+    # again after the next checkpoint (the chain that froze the loader state: groups trained twice, or a hang)
+    cfg = chaos.ChaosConfig(prompts=96, epochs=2, epoch_end_resumes=1, workers=2, remote_workers=1, worker_kills=3,
+                            remote_kills=1, trainer_kills=1, save_kills=1, hostile=1500, rate=300, every=5, seed=1,
+                            phase_deadline_s=60, run_deadline_s=300)
     result = chaos.run_chaos(cfg, tmp_path / "run", log=lambda *a: None)
     f = result["figures"]
     detail = json.dumps({"verdict": result["verdict"], "figures": f, "hangs": result["hangs"],
                          "crashes": result["crashes"], "leftover": result["leftover_pids"]}, indent=1)
     assert result["ok"], detail
-    assert f["groups_consumed"] == 160 and f["steps_final_timeline"] == 20, detail
+    assert f["groups_consumed"] == 192 and f["steps_final_timeline"] == 24, detail
     assert f["trainer_kills"] == 1 and f["save_kills"] == 1 and f["worker_kills"] == 3, detail
+    assert f["epoch_end_resumes"] == 1, detail
     # the rogue sends at `rate` only while a pool is up, until the run ends: how many it gets out depends on the
     # run's length on a busy machine (943 of 1,500 in one fresh-clone run); the guarantees are the verdict above
     assert f["hostile_messages"] >= 300 and f["forged_groups_sent"] > 0, detail

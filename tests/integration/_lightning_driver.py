@@ -2,7 +2,9 @@
 
 Each trained batch appends ``{"step", "version", "group_ids", "policy_versions"}`` to ``DIR/trained.jsonl``
 (flushed per step). ``--pause-after STEP`` sleeps after that step so the test can SIGKILL the process;
-``--resume`` continues from the newest checkpoint in ``DIR/ckpt`` with ``fit(ckpt_path=...)``.
+``--resume`` continues from the newest checkpoint in ``DIR/ckpt`` with ``fit(ckpt_path=...)``. ``--own-sync`` is
+the loop of a user who read nothing: the loader built with the default ``prefetch=0``, no ``RolloutSync``, the
+module itself telling the loader each new version.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ class Policy(pl.LightningModule):
 
     def train_dataloader(self) -> RolloutLoader:
         config = LoaderConfig(
-            group_size=2, batch_size=4, capacity=16, max_staleness=1, prefetch=1, num_workers=1, ordered=False,
+            group_size=2, batch_size=4, capacity=16, max_staleness=1, prefetch=0 if self.args.own_sync else 1,
+            num_workers=1, ordered=False,
             lease_timeout_s=30, wait_timeout_s=120, poll_timeout_s=0.2,
             transport=TransportConfig(heartbeat_s=0.2, peer_timeout_s=2.0),
             worker=WorkerConfig(slots=4, max_batch=2,
@@ -48,6 +51,8 @@ class Policy(pl.LightningModule):
         return (self.scale * batch["rewards"].float()).mean() ** 2
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.args.own_sync:
+            self.loader.set_policy_version(self.global_step)
         if self.args.pause_after == self.global_step:
             time.sleep(3600)  # killed here by the test
 
@@ -66,12 +71,13 @@ def main() -> None:
     p.add_argument("--every", type=int, default=3)
     p.add_argument("--pause-after", type=int, default=None)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--own-sync", action="store_true")
     args = p.parse_args()
     ckpt_dir = Path(args.dir) / "ckpt"
     checkpoint = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=args.every, save_top_k=-1)
     trainer = pl.Trainer(max_steps=args.max_steps, max_epochs=-1, accelerator="cpu", devices=1, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         callbacks=[RolloutSync(), checkpoint])
+                         callbacks=[checkpoint] if args.own_sync else [RolloutSync(), checkpoint])
     ckpt = None
     if args.resume:
         ckpt = str(max(ckpt_dir.glob("*.ckpt"), key=lambda q: torch.load(q, weights_only=False)["global_step"]))

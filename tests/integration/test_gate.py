@@ -326,3 +326,58 @@ def test_oversized_frame_is_counted():
         receiver.close()
         ctx.term()
     assert stats["connections_dropped"] >= 1
+
+
+def test_answers_to_leases_a_live_load_cancelled_are_counted_apart_from_forgeries():
+    """A live load_state_dict cancels the leases workers hold; their answers arrive late. They are this run's own
+    workers, not forgers: counted as cancelled_lease_answers, and not_leased_to_peer stays the forged-group signal."""
+    ctx = zmq.Context()
+    peer = None
+    try:
+        with RolloutLoader(_prompts(8), _config(num_workers=0)) as loader:
+            it = iter(loader)  # the pool grants from now on
+            peer = Peer(ctx, loader.endpoint)
+            peer.hello("own-worker", slots=2)
+            assert peer.recv({P.LEASES}) is not None and peer.leases, "the worker got no lease"
+            held = list(peer.leases)
+            loader.load_state_dict(loader.state_dict())  # e.g. a rollback to the state it just saved
+            for lease in held:
+                peer.send(P.GROUP, {"lease_id": lease["lease_id"],
+                                    "group": _group(lease["prompt_index"], worker_id="own-worker").to_wire()})
+            deadline = time.monotonic() + 10
+            while (loader.stats()["transport"].get("cancelled_lease_answers", 0) < len(held)
+                   and time.monotonic() < deadline):
+                time.sleep(0.05)
+            stats = loader.stats()["transport"]
+            del it
+    finally:
+        if peer is not None:
+            peer.close()
+        ctx.term()
+    assert stats.get("cancelled_lease_answers", 0) == len(held)
+    assert stats.get("not_leased_to_peer", 0) == 0
+
+
+def test_a_peer_that_never_said_hello_gets_no_answer():
+    """Each heartbeat from a peer without HELLO used to be answered (RESYNC): an amplifier. Now it is counted and
+    left unanswered; a worker that did say HELLO on a connection the pool forgot greets again by itself."""
+    ctx = zmq.Context()
+    rogue = None
+    try:
+        with RolloutLoader(_prompts(8), _config(num_workers=0)) as loader:
+            rogue = Peer(ctx, loader.endpoint)
+            for _ in range(200):
+                rogue.send(P.HEARTBEAT, {"status": {"policy_version": 0}})
+            rogue.send(P.FAILED, {"lease_id": 1, "error": "x"})
+            rogue.send(P.BYE, {})
+            assert rogue.recv(set(P.POOL_KINDS), timeout=1.0) is None, "the pool answered a peer it never greeted"
+            deadline = time.monotonic() + 10
+            while loader.stats()["transport"].get("messages_without_hello", 0) < 202 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            stats = loader.stats()["transport"]
+    finally:
+        if rogue is not None:
+            rogue.close()
+        ctx.term()
+    assert stats["messages_without_hello"] == 202
+    assert stats.get("leases_failed", 0) == 0

@@ -64,3 +64,14 @@ def test_lightning_resume_trains_every_group_exactly_once(tmp_path):
     assert sorted(trained) == sorted(f"e0-p{i}" for i in range(PROMPTS)), "a group was lost (the prefetched batch)"
     for r in before + after:  # staleness at the version the batch is trained at
         assert max(r["version"] - v for v in r["policy_versions"]) <= 1, r
+
+
+def test_a_prefetching_loop_without_the_knob_is_refused_with_the_fix(tmp_path):
+    """The loop of a user who read nothing (default prefetch=0, no RolloutSync, the module calling
+    set_policy_version itself) used to lose Lightning's prefetched batch at every checkpoint, silently. The loader
+    sees the consumer fetch ahead (two batches before the first update, one before the second) and refuses."""
+    proc = run(tmp_path, "--max-steps", str(STEPS), "--own-sync")
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode != 0, "the lossy loop ran to the end"
+    assert "fetches 1 batch(es) ahead" in out and "prefetch=1" in out and "RolloutSync" in out, out[-4000:]
+    assert [r["step"] for r in records(tmp_path)] == [1, 2], "refused at the second update, before a checkpoint"

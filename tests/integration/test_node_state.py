@@ -3,6 +3,9 @@ with a real worker process in deterministic single-worker mode (one worker, one 
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 
@@ -78,10 +81,9 @@ def test_state_from_other_topology_is_rejected():
     finally:
         a.close()
     b = _deterministic_loader(rank=1, world_size=2, num_workers=0)
-    try:
-        b.load_state_dict(state)
+    try:  # refused where the mistake is made: load_state_dict applies the state at once
         with pytest.raises(ValueError, match="same dataset, seed and number of trainer ranks"):
-            iter(b)
+            b.load_state_dict(state)
     finally:
         b.close()
 
@@ -100,3 +102,49 @@ def test_an_iter_that_yields_nothing_does_not_advance_the_epoch():
         assert all(g.startswith("e1-") for g in second["group_ids"])
     finally:
         loader.close()
+
+
+def test_load_state_dict_applies_the_state_at_once():
+    """The version a user publishes right after load_state_dict is the resumed one, not 0: the state is applied
+    when it is loaded, and the next iter() continues from it without fetching anything first."""
+    first = _deterministic_loader()
+    try:
+        it = iter(first)
+        next(it)
+        first.set_policy_version(3)
+        state = first.state_dict()
+        yielded = first.stats()["pool"]["groups_yielded"]
+    finally:
+        first.close()
+    second = _deterministic_loader()
+    try:
+        second.load_state_dict(state)
+        assert second.policy_version == 3, "published before the first iter(), weights would carry version 0"
+        assert second.stats()["epoch"] == 0 and second.stats()["consumed"] == yielded
+        rest = [g for batch in second for g in batch["group_ids"]]
+        assert len(rest) == 20 - yielded and all(g.startswith("e0-") for g in rest)
+    finally:
+        second.close()
+
+
+def test_a_closed_loader_raises_at_once_and_never_restarts_a_worker():
+    loader = _deterministic_loader()
+    it = iter(loader)
+    next(it)
+    time.sleep(0.5)  # the worker fills the pool: a batch is buffered when the loader closes
+    buffered = loader.stats()["pool"]["groups_received"] > loader.stats()["pool"]["groups_yielded"]
+    pids = [p for p in loader.launcher.pids if p is not None]
+    loader.close()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="closed"):
+        next(it)  # a buffered batch must not come out of a closed loader, and an empty one must not block
+    assert time.monotonic() - started < 1.0 and buffered
+    for call in (lambda: iter(loader), lambda: loader.set_policy_version(1), lambda: loader.commit()):
+        with pytest.raises(RuntimeError, match="closed"):
+            call()
+    loader._health_check()  # what a next() would run: a closed launcher restarts nothing
+    assert loader.launcher.restarts == [0] and loader.launcher.alive() == 0
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert loader.state_dict()["root"], "a closed loader's state can still be saved"

@@ -398,3 +398,20 @@ def test_a_run_directory_held_by_another_run_is_refused_at_once(tmp_path):
         assert sorted(p.name for p in run.iterdir()) == [".lock"]  # no config, pid files, model or records
     finally:
         lock.release()
+
+
+def test_a_chain_of_resumes_through_an_epoch_end_trains_each_group_once(tmp_path):
+    """Run to the end of epoch 0 (its last step is a checkpoint), resume into epoch 1, resume again. The loader
+    state used to freeze at the end-of-epoch state after the first resume: step 6's checkpoint held step 4's loader
+    state, and the second resume trained epoch 1's first steps again (or waited forever: pool at version 4, trainer
+    at 6, every rollout refused as newer than the trainer)."""
+    small = ["data.num_prompts=32", "rollout.batch_size=4", "rollout.group_size=4", "train.sft_steps=10",
+             "checkpoint.every=2", "rollout.wait_timeout_s=60"]  # 32 prompts / 2 ranks / 4 groups = 4 steps an epoch
+    run = tmp_path / "run"
+    _finish(_torchrun(run, "train.steps=4", *small))
+    _finish(_torchrun(run, "train.steps=6", *small, resume=True))
+    _finish(_torchrun(run, "train.steps=8", *small, resume=True))
+    _assert_each_step_recorded_once(run, steps=8)
+    groups = collections.Counter(g for r in (0, 1) for rec in _consumed(run, r) for g in rec["group_ids"])
+    assert max(groups.values()) == 1, [g for g, n in groups.items() if n > 1]
+    assert set(groups) == {f"e{e}-p{i}" for e in (0, 1) for i in range(32)}

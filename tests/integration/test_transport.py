@@ -281,3 +281,33 @@ def test_a_worker_that_reads_late_still_gets_shutdown():
         ctx.term()
     assert not disconnected, "the pool closed the connection before the worker acknowledged SHUTDOWN"
     assert P.SHUTDOWN in kinds
+
+
+def test_a_remote_worker_waiting_for_weights_takes_no_lease_and_leaves_when_its_trainer_shuts_down():
+    """A worker started near the end of a run used to wait weights.wait_for_first_s for weights before it even
+    greeted the pool, then handshake_timeout_s for a trainer that had gone (>= 120 s). Now it greets first, takes
+    no lease while it waits (the pool grants it nothing), and the pool's SHUTDOWN ends the wait at once."""
+    from asyncrl.weights import setup_weight_broadcaster
+
+    broadcaster = setup_weight_broadcaster("zmq")  # the trainer's, which has published nothing yet
+    weights = broadcaster.address
+    with RolloutLoader(_prompts(8), _config()) as loader:
+        it = iter(loader)  # the pool is active: it would grant leases to any ready worker
+        proc = _worker(loader.endpoint, "--worker-id", "late", "--set", "worker.weights.type=zmq",
+                       "--set", f"worker.weights.address={weights}", "--set", "worker.weights.wait_for_first_s=120")
+        try:
+            deadline = time.monotonic() + 60
+            while "late" not in loader.stats()["transport"]["workers"] and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert "late" in loader.stats()["transport"]["workers"], "the worker must greet before its weights arrive"
+            time.sleep(1.0)
+            assert loader.stats()["transport"].get("leases_granted", 0) == 0, "a worker without weights holds no lease"
+            loader.close()  # the trainer ends: SHUTDOWN
+            started = time.monotonic()
+            proc.wait(30)
+            assert time.monotonic() - started < 15, "the worker must leave when its trainer shuts down"
+            assert proc.returncode == 0, proc.stderr.read()[-2000:]
+        finally:
+            _stop(proc)
+            broadcaster.close()
+        del it

@@ -101,3 +101,12 @@ def test_credits_the_pool_withholds_are_charged_as_seconds_by_its_reason():
     workers = a.workers()
     assert workers["wb"]["credits_withheld_no_prompt_s"] == pytest.approx(0.5)
     assert all(v == 0 for k, v in workers["wa"].items() if k.startswith("credits_withheld"))
+
+
+def test_a_worker_not_ready_is_greeted_but_granted_nothing_until_it_greets_again():
+    a = _admission()
+    waiting = a.hello(b"a", _hello("w", ready=False), now=0.0)
+    assert waiting.joined and not waiting.peer.ready and a.grants(now=0.0) == []
+    ready = a.hello(b"a", _hello("w", slots=2), now=1.0)  # the same connection, ready now: refreshed, not re-joined
+    assert not ready.joined and ready.peer is waiting.peer and ready.peer.ready and ready.peer.slots == 2
+    assert [len(ls) for _, ls in a.grants(now=1.0)] == [2]

@@ -122,3 +122,74 @@ def test_a_sigkilled_shm_broadcaster_leaves_no_segments_after_the_next_one_start
     finally:
         b.close()
     assert not Path(b.address).exists()
+
+
+_KILLED_IN_CLOSE = """
+import os, signal, sys
+from asyncrl._owned_dir import make_owned_dir
+d, _ = make_owned_dir(sys.argv[1], sys.argv[2])
+for name in ("committed-1.json", "latest.json", "slot-0", "slot-1"):
+    (d.path / name).write_bytes(b"z" * 4096)
+calls, at = [0], int(sys.argv[3])
+real = {"unlink": os.unlink, "rename": os.rename, "rmdir": os.rmdir}
+def dies(name):
+    def call(*args, **kwargs):
+        if calls[0] == at:
+            os.kill(os.getpid(), signal.SIGKILL)  # torchrun's group kill, at this step of the removal
+        calls[0] += 1
+        return real[name](*args, **kwargs)
+    return call
+os.unlink, os.rename, os.rmdir = dies("unlink"), dies("rename"), dies("rmdir")
+d.close()
+"""
+
+
+@pytest.mark.parametrize("step", range(7))  # rename, four files, .owner, rmdir
+def test_a_kill_at_any_step_of_a_removal_leaves_nothing_unowned_in_sight_and_the_next_maker_sweeps_it(tmp_path, step):
+    proc = subprocess.run([sys.executable, "-c", _KILLED_IN_CLOSE, PREFIX, str(tmp_path), str(step)], timeout=60,
+                          check=False)
+    assert proc.returncode == -signal.SIGKILL
+    for path in tmp_path.iterdir():  # either visible with its .owner (lock free now), or hidden as half removed
+        assert path.name.startswith(f".{PREFIX}gone-") or (path / OWNER).exists(), f"{path} lost its owner in sight"
+    mine, swept = make_owned_dir(PREFIX, tmp_path)  # no grace to wait for: a half-removed directory is swept at once
+    try:
+        assert [p for p in tmp_path.iterdir() if p != mine.path] == [], f"left after the sweep: {swept}"
+        assert swept.legacy == ()
+    finally:
+        mine.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_old_directory_without_owner_is_removed_only_when_no_process_uses_it(tmp_path):
+    old = time.time() - 2 * UNLOCKED_GRACE_S
+    # e.g. left by an older asyncrl whose removal began with .owner
+    unused, used = tmp_path / f"{PREFIX}unused", tmp_path / f"{PREFIX}used"
+    for path in (unused, used):
+        path.mkdir()
+        (path / "seg").write_bytes(b"y" * 8192)
+        os.utime(path, (old, old))
+    code = "import sys, time; f = open(sys.argv[1], 'rb'); print(1, flush=True); time.sleep(600)"
+    holder = subprocess.Popen([sys.executable, "-c", code, str(used / "seg")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "1"
+        swept = sweep_dead(PREFIX, tmp_path)
+        assert [p for p, _ in swept.removed] == [str(unused)] and not unused.exists()
+        assert [p for p, _ in swept.legacy] == [str(used)] and used.exists(), "a live reader's directory must stay"
+    finally:
+        _kill(holder)
+    assert [p for p, _ in sweep_dead(PREFIX, tmp_path).removed] == [str(used)] and not used.exists()
+
+
+def test_a_forked_child_closing_its_copy_leaves_the_parents_directory(tmp_path):
+    mine, _ = make_owned_dir(PREFIX, tmp_path)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child's finalizer at its exit, e.g. a forked helper process
+            mine.close()
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert mine.path.is_dir() and (mine.path / OWNER).exists()
+        assert sweep_dead(PREFIX, tmp_path).removed == (), "the parent still holds the lock"
+    finally:
+        mine.close()
+    assert not mine.path.exists()

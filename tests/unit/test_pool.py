@@ -881,3 +881,34 @@ def test_grant_says_why_it_leased_fewer_than_asked():
     assert tail.grant("w", 1) == [] and tail.withheld == "no_prompt"  # the loader has not started the epoch
     tail.start_epoch(0)
     assert len(tail.grant("w", 5)) == 2 and tail.withheld == "no_prompt"
+
+
+def test_leases_cancelled_by_a_reset_are_remembered_per_worker():
+    pool = make_pool(8, capacity=4)
+    leases = pool.grant("w0", 2, now=0.0) + pool.grant("w1", 1, now=0.0)
+    pool.load_state_dict(pool.state_dict())  # a live load: every outstanding lease is cancelled
+    for lease in leases:
+        assert pool.cancelled_lease_of(lease.lease_id, lease.worker_id)
+        assert not pool.cancelled_lease_of(lease.lease_id, "someone-else")  # a forger naming the lease: not excused
+    fresh = pool.grant("w0", 1, now=0.0)[0]
+    assert not pool.cancelled_lease_of(fresh.lease_id, "w0")
+
+
+def test_rollouts_ahead_of_a_resumed_trainer_name_the_resume_not_the_call_order(caplog):
+    """Workers that outlived the previous run hold its newer weights; after a resume from an older checkpoint the
+    refusal used to say "call set_policy_version(v) before publishing version v", which is not what happened."""
+    old = make_pool(4, capacity=4)
+    old.set_policy_version(3)
+    state = old.state_dict()
+    pool = RolloutPool(PromptLedger(4), group_size=2, capacity=4)  # the resumed trainer: a new incarnation
+    pool.load_state_dict(state)
+    lease = pool.grant("w0", 1, now=0.0)[0]
+    group = make_group(lease.epoch, lease.prompt_index, 2, policy_version=6)  # the old run's newer weights
+    for r in group.rollouts:
+        r.incarnation = old.incarnation
+    with caplog.at_level("WARNING"):
+        assert pool.add_rollouts(group.rollouts, lease_id=lease.lease_id) == 0
+    assert pool.stats["ahead_of_trainer"] == 2
+    assert "before it resumed from an older checkpoint" in caplog.text
+    assert "incarnation=loader.incarnation" in caplog.text
+    assert "call set_policy_version(v) before publishing" not in caplog.text
