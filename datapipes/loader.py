@@ -411,8 +411,9 @@ class _FetchPattern:
                     "RolloutLoader was "
                     f"built with prefetch={self.prefetch}: a checkpoint would count the batches it holds as consumed "
                     f"and lose them. Build the loader with prefetch={ahead} (and max_staleness >= {ahead}); under "
-                    "PyTorch Lightning use prefetch=1 and the asyncrl.integrations.lightning.RolloutSync callback. If your loop "
-                    "really trains more batches in its first update than in later ones, set check_prefetch=False."
+                    "PyTorch Lightning use prefetch=1 and the asyncrl.integrations.lightning.RolloutSync callback. "
+                    "If your loop really trains more batches in its first update than in later ones, set "
+                    "check_prefetch=False."
                 )
         return True
 

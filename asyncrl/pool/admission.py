@@ -120,7 +120,7 @@ class Admission:
 
     # -- admission -------------------------------------------------------------------------------------------
     def hello(self, identity: bytes, body: dict[str, Any], now: float) -> Greeting:
-        """A HELLO (``worker_id``, ``slots``, ``pid``, ``host``, optional ``streaming`` and ``ready``) from ``identity``.
+        """A HELLO (``worker_id``, ``slots``, ``pid``, ``host``; optional ``streaming``, ``ready``) from ``identity``.
 
         A HELLO from a peer already registered on that connection under that id refreshes it (its credits, whether it
         is ready); ``ready: false`` greets a worker that waits for the trainer's weights: it is granted nothing until
@@ -134,10 +134,12 @@ class Admission:
                     greeting.refusal = Refusal("hello_refused_id_in_use",
                                                f"worker id {worker_id!r} is in use by a live peer")
                     return greeting
-                greeting.evicted.append(self.drop(other, "worker_restarted"))  # restarted process, same id: the old is silent
+                # a restarted process with the same id: the old one is silent
+                greeting.evicted.append(self.drop(other, "worker_restarted"))
                 self.greeted.pop(other, None)
         if identity not in self.peers and len(self.peers) >= self.gate.max_peers:
-            greeting.refusal = Refusal("hello_refused_max_peers", f"already serving gate.max_peers={self.gate.max_peers}")
+            greeting.refusal = Refusal("hello_refused_max_peers",
+                                       f"already serving gate.max_peers={self.gate.max_peers}")
             return greeting
         slots = body["slots"]
         if slots > self.gate.max_slots_per_peer:

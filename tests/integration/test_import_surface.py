@@ -10,8 +10,8 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-PROBE = ("import sys, asyncrl; layers = lambda: sorted({m.split('.')[0] for m in sys.modules} & {'workers', 'datapipes'});"
-         " print(layers()); asyncrl.RolloutLoader; print(layers())")
+PROBE = ("import sys, asyncrl; layers = lambda: sorted({m.split('.')[0] for m in sys.modules} & "
+         "{'workers', 'datapipes'}); print(layers()); asyncrl.RolloutLoader; print(layers())")
 
 
 def test_import_asyncrl_imports_neither_workers_nor_datapipes():
