@@ -110,8 +110,9 @@ def data_plane(r: Result) -> tuple[str, str]:
     note = (f"{c['workers']} producer processes, groups of {c['group_size']}, {c['prompt_tokens']} prompt + "
             f"{c['response_tokens']} response tokens a rollout, {c['repeats']} windows of {c['seconds']:g} s.")
     tbl = table(["path", "rollouts/s, median (min–max)", "MB/s", "asyncrl ÷ path", "target"], rows)
-    best = {k: v for k, v in ratios.items() if k in ("asyncrl/mp_queue", "asyncrl/ray_actor")}
-    head = " · ".join(f"{x(v['value'])} {k.split('/')[1]}" for k, v in best.items())
+    names = {"asyncrl/mp_queue": "`multiprocessing.Queue`", "asyncrl/ray_actor": "a Ray actor queue"}
+    head = " and ".join(f"{x(ratios[k]['value'])} {name}" for k, name in names.items() if k in ratios)
+    head = f"{head}, in rollouts/s into a training loop" if head else ""
     return note + "\n\n" + tbl, head
 
 
@@ -201,8 +202,8 @@ def streaming(r: Result) -> tuple[str, str]:
     tbl = table(["k", "workers", "static rollouts/s", "streaming rollouts/s", "streaming ÷ static",
                  "occupancy static → streaming", "in-flight pause p50 / p99 (s)", "regenerated static / streaming"], rows)
     best = max(r.data["streaming_vs_static"], key=lambda p: p["streaming_over_static"])
-    head = (f"{x(best['streaming_over_static'])} static rollouts/s, occupancy {f(best['occupancy']['streaming'])} "
-            f"(k = {best['max_staleness']})")
+    head = (f"{x(best['streaming_over_static'])} the static loop's rollouts/s, engine occupancy "
+            f"{f(best['occupancy']['static'])} → {f(best['occupancy']['streaming'])} (k = {best['max_staleness']})")
     return note + "\n\n" + tbl, head
 
 
@@ -227,8 +228,9 @@ def trl_peer(r: Result) -> tuple[str, str]:
                                                default=None)
     head = ""
     if best_trl:
-        parts = [f"{x(summary[m]['steady'] / best_trl)} TRL ({m})" for m in ("sync", "async1_b2") if m in summary]
-        head = ", ".join(parts) + " steady state"
+        label = {"sync": "TRL's `GRPOTrainer` synchronously", "async1_b2": "at `max_staleness=1`"}
+        parts = [f"{x(summary[m]['steady'] / best_trl)} {label[m]}" for m in label if m in summary]
+        head = f"{' and '.join(parts)}, in steady-state rollouts/s" if parts else ""
     return note + "\n\n" + text.strip(), head
 
 
@@ -345,7 +347,7 @@ BENCHMARKS = [
               [Series("Streamed vs static", _is("hf_streaming"), hf_streaming)]),
     Benchmark("trl_peer", "Against TRL", "benchmarks/trl_peer.py",
               "the recipe against TRL's `GRPOTrainer` on the same model and workload: steady-state and end-to-end rollouts/s",
-              "python -m benchmarks.trl_peer",
+              "python benchmarks/trl_peer.py",
               [Series("Recipe vs TRL", _is("trl_peer", engine=False), trl_peer)]),
     Benchmark("chaos", "Chaos", "benchmarks/chaos.py",
               "the guarantees under SIGKILLs of workers and trainer (inside saves too) and a rogue peer",

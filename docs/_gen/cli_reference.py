@@ -1,32 +1,40 @@
 """``docs/reference/cli.md``: the ``asyncrl`` command's ``--help``, and each subcommand's, as they print.
 
 The subcommands are read off the command itself (the choices ``asyncrl --help`` lists), and each one's help is
-what ``python -m asyncrl.cli SUB --help`` prints at 100 columns, so a new option, subcommand or help text
-regenerates the page with no change here.
+what ``asyncrl SUB --help`` prints at 100 columns (called in this process: ``asyncrl.cli.main``), so a new option,
+subcommand or help text regenerates the page with no change here.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
-from docs._gen._text import DOCS, ROOT
+from docs._gen._text import DOCS
 
 PAGE = DOCS / "reference" / "cli.md"
 COLUMNS = "100"
 
 
 def _help(*args: str) -> str:
-    env = {**os.environ, "COLUMNS": COLUMNS, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "NO_COLOR": "1"}
-    env.pop("FORCE_COLOR", None)
-    proc = subprocess.run([sys.executable, "-m", "asyncrl.cli", *args, "--help"], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=300)
-    if proc.returncode != 0:
-        raise RuntimeError(f"asyncrl {' '.join(args)} --help exited {proc.returncode}:\n{proc.stderr[-2000:]}")
-    return proc.stdout.rstrip()
+    from asyncrl.cli import main
+
+    out, saved = io.StringIO(), {k: os.environ.get(k) for k in ("COLUMNS", "NO_COLOR", "FORCE_COLOR")}
+    os.environ.update(COLUMNS=COLUMNS, NO_COLOR="1")  # argparse wraps at $COLUMNS; 3.14 colours unless NO_COLOR
+    os.environ.pop("FORCE_COLOR", None)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+            main([*args, "--help"])
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    if not out.getvalue().startswith("usage:"):
+        raise RuntimeError(f"asyncrl {' '.join(args)} --help printed no usage:\n{out.getvalue()[:2000]}")
+    return out.getvalue().rstrip()
 
 
 def _subcommands(top: str) -> list[str]:
