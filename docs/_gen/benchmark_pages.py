@@ -43,7 +43,7 @@ class Result:
 
     @property
     def rel(self) -> str:
-        return str(self.path.relative_to(ROOT))
+        return str(self.path.relative_to(ROOT)) if self.path.is_relative_to(ROOT) else str(self.path)
 
     @property
     def gpu(self) -> bool:
@@ -407,7 +407,7 @@ def render(results: list[Result] | None = None) -> dict[Path, str]:
         text = page.read_text() if page.exists() else f"# {bench.title}\n\n{BEGIN_END(bench.page)}\n"
         out[page] = replace_block(text, "results", block)
         heads[bench.page] = head
-        json_link = f"[{Path(first).name}](results/{Path(first).relative_to('benchmarks/results')})" if first else "–"
+        json_link = f"[{Path(first).name}]({Path(first).relative_to('benchmarks')})" if first else "–"
         index_rows.append([f"[`{bench.script}`]({bench.script.split()[0].removeprefix('benchmarks/')})", bench.measures,
                            f"`{bench.command}`", f"{head} ([page](../docs/benchmarks/{bench.page}.md))" if head else
                            f"[page](../docs/benchmarks/{bench.page}.md)", json_link])
