@@ -81,7 +81,7 @@ def _field_docs(cls: type) -> dict[str, tuple[str, str]]:
     return out
 
 
-def _default(f: dataclasses.Field, hint: Any) -> str:
+def _default(f: dataclasses.Field, hint: Any = None) -> str:
     if f.default is not dataclasses.MISSING:
         value = f.default
     elif f.default_factory is not dataclasses.MISSING:
@@ -132,11 +132,33 @@ def _walk(roots: list[type]) -> tuple[list[type], dict[type, list[str]]]:
         for f in dataclasses.fields(cls):
             for sub in _dataclasses_in(hints[f.name]):
                 visit(sub, None if path is None else f"{path}{f.name}.", (*seen, cls))
+        for variant in _variants(cls):  # a field typed by a base holds any of its subclasses (e.g. one per `type`)
+            visit(variant, path, (*seen, cls))
 
     for i, root in enumerate(roots):
         if i == 0 or root not in order:
             visit(root, "" if i == 0 else None, ())
     return order, paths
+
+
+def _variants(cls: type) -> list[type]:
+    """The dataclass subclasses of ``cls`` (direct ones, in definition order)."""
+    return [c for c in cls.__subclasses__() if dataclasses.is_dataclass(c)]
+
+
+def _base(cls: type, known: set[type]) -> type | None:
+    """The nearest dataclass base of ``cls`` that has a section of its own."""
+    return next((b for b in cls.__mro__[1:] if b in known), None)
+
+
+def _chosen_by(cls: type, known: set[type]) -> str:
+    """`` (type: hf)`` for a variant its base's ``type`` field chooses; else ``""``."""
+    base = _base(cls, known)
+    mine = {f.name: f for f in dataclasses.fields(cls)}.get("type")
+    theirs = {f.name: f for f in dataclasses.fields(base)}.get("type") if base else None
+    if mine is None or theirs is None or _default(mine) == _default(theirs) or _default(mine) == "required":
+        return ""
+    return f" (`type: {_default(mine)}`)"
 
 
 def _anchor(cls: type) -> str:
@@ -147,11 +169,20 @@ def _section(cls: type, paths: list[str], known: set[type]) -> str:
     hints = typing.get_type_hints(cls)
     docs = _field_docs(cls)
     where = ", ".join(f"`{p.rstrip('.')}`" if p else "the top level" for p in paths) or "not in a run file"
+    where += _chosen_by(cls, known) if paths else ""
     doc = cls.__doc__ if cls.__doc__ and not cls.__doc__.startswith(f"{cls.__name__}(") else ""  # not the generated one
     head = [f"## {cls.__name__}", "", markdown(inspect.cleandoc(doc)), "",
             f"`{cls.__module__}.{cls.__name__}`; in a run file: {where}.", ""]
+    base = _base(cls, known)
+    inherited = {f.name: f for f in dataclasses.fields(base)} if base else {}
+    if base:
+        head += [f"It has every field of [{base.__name__}](#{_anchor(base)}); below, the fields it adds or whose "
+                 "default it changes.", ""]
     rows = []
     for f in dataclasses.fields(cls):
+        old = inherited.get(f.name)
+        if old is not None and _default(old, None) == _default(f, None):
+            continue  # as in the base's section
         annotation, doc = docs.get(f.name, (str(hints[f.name]), ""))
         subs = [s for s in _dataclasses_in(hints[f.name]) if s in known]
         text = markdown(doc)
@@ -179,6 +210,7 @@ def render() -> dict[Path, str]:
     index = ["| class | where in a run file |", "|---|---|"]
     for cls in order:
         where = ", ".join(f"`{p.rstrip('.')}`" if p else "top level" for p in paths[cls]) or "code only"
+        where += _chosen_by(cls, known) if paths[cls] else ""
         index.append(f"| [{cls.__name__}](#{_anchor(cls)}) | {cell(where)} |")
     body = [intro, "\n".join(index), ""] + [_section(c, [p for p in paths[c]], known) for c in order]
     return {PAGE: "\n".join(body).rstrip() + "\n"}
