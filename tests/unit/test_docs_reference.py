@@ -82,9 +82,14 @@ def logged_names() -> dict[str, set[str]]:
     }
 
 
+def _code_spans(page: Path) -> set[str]:
+    """The inline code spans of a Markdown page (fenced blocks left out)."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+    return set(re.findall(r"`([^`\n]+)`", text))
+
+
 def test_the_metrics_page_names_every_logged_metric():
-    page = (DOCS / "reference" / "metrics.md").read_text()
-    documented = set(re.findall(r"`([^`]+)`", page))
+    documented = _code_spans(DOCS / "reference" / "metrics.md")
     names = logged_names()
     assert len(names["the recipe's step record"]) > 15 and len(names["WORKER_KEYS"]) > 10  # the parse found them
     missing = {where: sorted(n - documented) for where, n in names.items() if n - documented}
@@ -161,3 +166,17 @@ def test_every_module_and_name_the_docs_spell_out_exists():
     missing = [f"{doc.relative_to(ROOT)}: {name}" for doc in HAND_WRITTEN for name in DOTTED.findall(doc.read_text())
                if not _resolves(name)]
     assert not missing, "names in the docs that do not import:\n" + "\n".join(missing)
+
+
+LISTS = [("BUILTIN", "guides/rewards.md"), ("DETECTORS", "guides/debugging.md"), ("STAGES", "guides/models.md"),
+         ("LOSS_TYPES", "guides/losses.md")]
+"""A constant of the code whose every entry a guide lists: the built-in rewards, the debugger's detectors, the
+stages of ``asyncrl check``, the loss types."""
+
+
+def test_the_guides_list_every_builtin_detector_stage_and_loss_type():
+    missing = []
+    for constant, page in LISTS:
+        documented = _code_spans(DOCS / page)
+        missing += [f"docs/{page}: {constant} has {name!r}" for name in _constant(constant) if name not in documented]
+    assert not missing, "\n".join(missing)
