@@ -1,0 +1,431 @@
+"""The benchmark pages' result tables, from the newest result file of each benchmark.
+
+Every benchmark script writes a self-describing JSON file into ``benchmarks/results/`` (its ``benchmark`` name,
+its config, the machine, a ``date`` or ``time``). A *series* is one kind of run of one benchmark (e.g. freshness in
+measured mode; weight deltas of a LoRA adapter): a predicate on those files. For each series the newest file (by
+the date it records, not by the file's name or mtime) is rendered into a table, inside the generated block of the
+benchmark's page under ``docs/benchmarks/``; the headline of each benchmark fills a column of the index in
+``benchmarks/README.md`` and the three numbers of ``README.md``. Adding a result file is all it takes to update
+them: ``python -m docs._gen benchmarks``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from docs._gen._text import DOCS, ROOT, replace_block, table
+
+RESULTS = ROOT / "benchmarks" / "results"
+PAGES = DOCS / "benchmarks"
+INDEX = ROOT / "benchmarks" / "README.md"
+README = ROOT / "README.md"
+
+
+# -- reading -------------------------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Result:
+    path: Path
+    data: dict[str, Any]
+
+    @property
+    def when(self) -> float:
+        """When the run ended, from the file's own ``date`` (ISO) or ``time`` (epoch seconds)."""
+        if isinstance(self.data.get("date"), str):
+            stamp = datetime.fromisoformat(self.data["date"])
+            return (stamp if stamp.tzinfo else stamp.replace(tzinfo=timezone.utc)).timestamp()
+        return float(self.data.get("time", 0.0))
+
+    @property
+    def rel(self) -> str:
+        return str(self.path.relative_to(ROOT)) if self.path.is_relative_to(ROOT) else str(self.path)
+
+    @property
+    def gpu(self) -> bool:
+        machine = self.data.get("machine") or {}
+        return bool(machine.get("cuda")) or "+cu" in str(machine.get("torch", ""))
+
+    def machine(self) -> str:
+        m = self.data.get("machine") or {}
+        parts = [f"{m['cpu_count']} CPUs" if m.get("cpu_count") else None, f"torch {m['torch']}" if m.get("torch") else None,
+                 f"CUDA {m['cuda']}" if m.get("cuda") else None]
+        return ", ".join(p for p in parts if p) or "machine not recorded"
+
+
+def load_results(root: Path = RESULTS) -> list[Result]:
+    out = []
+    for path in sorted(root.rglob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and isinstance(data.get("benchmark"), str):
+            out.append(Result(path, data))
+    return out
+
+
+# -- formatting ----------------------------------------------------------------------------------------------------------
+def med(v: Any) -> float | None:
+    return v.get("median") if isinstance(v, dict) else v
+
+
+def f(v: Any, digits: int = 2, suffix: str = "") -> str:
+    v = med(v)
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}{suffix}"
+    return f"{v:,.{digits}f}{suffix}"
+
+
+def x(v: Any, digits: int = 2) -> str:
+    return f(v, digits, "×")
+
+
+def rng(v: Any, digits: int = 1) -> str:
+    """median (min–max) of a ``{median, min, max}`` summary."""
+    if not isinstance(v, dict) or v.get("min") is None:
+        return f(v, digits)
+    return f"{f(v['median'], digits)} ({f(v['min'], digits)}–{f(v['max'], digits)})"
+
+
+# -- renderers: one per series, each Result -> (table markdown, headline) -------------------------------------------------
+def data_plane(r: Result) -> tuple[str, str]:
+    metrics, ratios = r.data["metrics"], r.data.get("ratios", {})
+    rows = []
+    for path, m in metrics.items():
+        ratio = ratios.get(f"asyncrl/{path}", {})
+        target = ratio.get("target")
+        rows.append([f"`{path}`", rng(m["rollouts_per_s"], 0), f(med(m.get("mb_per_s")), 1),
+                     x(ratio.get("value")) if ratio else ("1.00×" if path == "asyncrl" else "–"),
+                     f"≥ {target}×: {'met' if ratio.get('met') else 'missed'}" if target is not None else ""])
+    c = r.data["config"]
+    note = (f"{c['workers']} producer processes, groups of {c['group_size']}, {c['prompt_tokens']} prompt + "
+            f"{c['response_tokens']} response tokens a rollout, {c['repeats']} windows of {c['seconds']:g} s.")
+    tbl = table(["path", "rollouts/s, median (min–max)", "MB/s", "asyncrl ÷ path", "target"], rows)
+    names = {"asyncrl/mp_queue": "`multiprocessing.Queue`", "asyncrl/ray_actor": "a Ray actor queue"}
+    head = " and ".join(f"{x(ratios[k]['value'])} {name}" for k, name in names.items() if k in ratios)
+    head = f"{head}, in rollouts/s into a training loop" if head else ""
+    return note + "\n\n" + tbl, head
+
+
+def weight_sync(r: Result) -> tuple[str, str]:
+    rows, head = [], ""
+    if "results" in r.data:  # one entry per size, then per "backend xN"
+        for size, entries in r.data["results"].items():
+            for name, e in entries.items():
+                if not isinstance(e, dict) or "latency_s" not in e:
+                    continue
+                rows.append([size, f"`{name}`", f(e.get("receivers")), f(med(e["latency_s"]), 3), f(med(e["gb_per_s"])),
+                             x(e.get("x_memcpy")), x(e.get("x_memcpy_staged"))])
+                if name == "shm-shadow x1" or (not head and name.startswith("shm x1")):
+                    head = f"{x(e.get('x_memcpy'))} memcpy ({name}, {size})"
+        header = ["size", "path", "receivers", "latency (s)", "GB/s", "× memcpy", "× memcpy, staged"]
+    else:  # the first format: metrics[path][size]
+        for name, sizes in r.data["metrics"].items():
+            for size, e in sizes.items():
+                rows.append([size, f"`{name}`", f(med(e["latency_s"]), 4), f(med(e["gb_per_s"]))])
+        header = ["size", "path", "latency (s)", "GB/s"]
+    note = "End to end: publish until every receiver's engine holds the version, verified; medians over repeats."
+    return note + "\n\n" + table(header, rows), head
+
+
+def weight_delta(r: Result) -> tuple[str, str]:
+    z, codec, c = r.data["zmq"], r.data["codec"], r.data["config"]
+    rows = [[kind, f(e["bytes"]), f(e["latency_s"], 3), f(e["cpu_s"], 3)] for kind, e in
+            (("full", z["full"]), ("delta", z["delta"]))]
+    note = (f"{c['params_built']:,} parameters ({c['master']}), one AdamW step at lr {c['lr']:g} "
+            f"({r.data['step']['fraction']:.1%} of elements changed), zmq over loopback TCP, median of "
+            f"{c['repeats']} updates. Codec alone: {x(codec['ratio'], 1)} fewer bytes, encode "
+            f"{f(codec['encode_gb_per_s'])} GB/s, decode {f(codec['decode_gb_per_s'])} GB/s.")
+    tbl = table(["update", "bytes", "latency (s)", "CPU (s)"], rows)
+    tail = (f"\n\nDelta against full: {x(z['bytes_ratio'], 1)} fewer bytes, {x(z['speedup'])} faster, "
+            f"{x(z['cpu_ratio'])} less CPU.")
+    return note + "\n\n" + tbl + tail, f"{x(z['bytes_ratio'], 1)} fewer bytes, {x(z['speedup'])} faster"
+
+
+def weight_delta_lora(r: Result) -> tuple[str, str]:
+    rows = [[e["dtype"].replace("torch.", ""), f(e["rank"]), f"{e['lr']:g}", f(e["steps"]), f(e["changed_fraction"], 3),
+             f(e["full_bytes"]), f(e["delta_bytes"]), x(e["ratio"])] for e in r.data["lora"]]
+    return table(["dtype", "rank", "lr", "steps", "changed fraction", "full bytes", "delta bytes", "ratio"], rows), ""
+
+
+def _freshness_points(r: Result) -> tuple[str, str]:
+    rows = []
+    for p in r.data["points"]:
+        m = p["metrics"]
+        rows.append([f(p["max_staleness"]), f(p["workers"]), rng(m["rollouts_per_s"]), x(p["speedup"]),
+                     f(p["efficiency"]), f(p.get("efficiency_window")), f(m["gen_capacity"], 0), f(m["train_capacity"], 0),
+                     f(m["trainer_idle"]), f(m["worker_idle"]), f(m["staleness_mean"]), f(m["regenerated_frac"], 3)])
+    tbl = table(["k", "workers", "trained rollouts/s", "speedup vs k=0", "efficiency", "eff. vs window", "G", "T",
+                 "trainer idle", "worker idle", "staleness", "regenerated"], rows)
+    best = max(r.data["points"], key=lambda p: p["speedup"])
+    return tbl, f"{x(best['speedup'])} over synchronous at k = {best['max_staleness']}"
+
+
+def freshness_measured(r: Result) -> tuple[str, str]:
+    c = r.data["config"]
+    note = (f"The real recipe, {c['ranks']} trainer rank(s), `{c['engine']}` workers, {c['steps']} steps "
+            f"({c['warmup']} warm-up), {c['repeats']} repeat(s); median (min–max) over repeats.")
+    tbl, head = _freshness_points(r)
+    return note + "\n\n" + tbl, head + " (measured)"
+
+
+def freshness_simulated(r: Result) -> tuple[str, str]:
+    c = r.data["config"]
+    how = "rates calibrated from a measured run" if c.get("calibrate") else "rates given on the command line"
+    note = f"Simulated ({how}), {c['steps']} steps, {c['repeats']} repeat(s); rates per modelled second."
+    tbl, head = _freshness_points(r)
+    return note + "\n\n" + tbl, head + " (simulated)"
+
+
+def streaming(r: Result) -> tuple[str, str]:
+    rows = []
+    for p in r.data["streaming_vs_static"]:
+        occ, rps = p["occupancy"], p["rollouts_per_s"]
+        pause = p.get("inflight_pause_s", {})
+        rows.append([f(p["max_staleness"]), f(p["workers"]), f(rps["static"]), f(rps["streaming"]),
+                     x(p["streaming_over_static"]), f"{f(occ['static'])} → {f(occ['streaming'])}",
+                     f"{f(pause.get('p50'), 3)} / {f(pause.get('p99'), 3)}",
+                     f"{f(p['regenerated_frac']['static'])} / {f(p['regenerated_frac']['streaming'])}"])
+    c = r.data["config"]
+    engine = c.get("engine", "fake") if r.data.get("mode") == "measured" else "fake (simulated)"
+    note = (f"{r.data.get('mode', '').capitalize()}, engine `{engine}`, {c['steps']} steps, {c['repeats']} repeat(s)"
+            + (f"; overrides: {', '.join(f'`{s}`' for s in c['set'])}" if c.get("set") else "") + ".")
+    tbl = table(["k", "workers", "static rollouts/s", "streaming rollouts/s", "streaming ÷ static",
+                 "occupancy static → streaming", "in-flight pause p50 / p99 (s)", "regenerated static / streaming"], rows)
+    best = max(r.data["streaming_vs_static"], key=lambda p: p["streaming_over_static"])
+    head = (f"{x(best['streaming_over_static'])} the static loop's rollouts/s, engine occupancy "
+            f"{f(best['occupancy']['static'])} → {f(best['occupancy']['streaming'])} (k = {best['max_staleness']})")
+    return note + "\n\n" + tbl, head
+
+
+def hf_streaming(r: Result) -> tuple[str, str]:
+    s, c = r.data["summary"], r.data.get("config", {})
+    rows = [[mode, f(s[mode]["rollouts_per_s"]), f(s[mode]["tokens_per_s"], 1), f(s[mode]["occupancy"]),
+             f(s[mode].get("occupancy_steady")), f(s[mode]["wall_s"], 1)] for mode in ("static", "streamed")]
+    note = (f"{c.get('groups')} groups of {c.get('group_size')}, {c.get('slots')} slots, lengths lognormal "
+            f"(median {c.get('length_median')}, up to {c.get('max_new_tokens')} tokens), {c.get('repeats')} repeat(s).")
+    tbl = table(["mode", "rollouts/s", "tokens/s", "occupancy", "occupancy, steady", "wall (s)"], rows)
+    return note + "\n\n" + tbl + f"\n\nStreamed ÷ static: {x(s['speedup'])}.", f"{x(s['speedup'])} static"
+
+
+def trl_peer(r: Result) -> tuple[str, str]:
+    text = r.data["table"].strip()
+    text = "\n".join(line for line in text.splitlines() if not line.startswith("load average"))
+    c = r.data["config"]
+    note = (f"{c['prompts_per_step']} prompts × {c['generations']} generations a step, ≤ {c['max_new_tokens']} new "
+            f"tokens, {c['steps']} steps ({c['warmup']} warm-up), {c['repeats']} repeat(s). Ratios are to TRL's better "
+            "setting in the same repeat.")
+    summary, best_trl = r.data["summary"], max((v["steady"] for k, v in r.data["summary"].items() if k.startswith("trl")),
+                                               default=None)
+    head = ""
+    if best_trl:
+        label = {"sync": "TRL's `GRPOTrainer` synchronously", "async1_b2": "at `max_staleness=1`"}
+        parts = [f"{x(summary[m]['steady'] / best_trl)} {label[m]}" for m in label if m in summary]
+        head = f"{' and '.join(parts)}, in steady-state rollouts/s" if parts else ""
+    return note + "\n\n" + text.strip(), head
+
+
+def chaos(r: Result) -> tuple[str, str]:
+    fig, verdict = r.data["figures"], r.data["verdict"]
+    keys = ["groups_expected", "groups_consumed", "groups_lost", "groups_consumed_twice",
+            "rollout_versions_above_staleness_bound", "rollout_versions_ahead_of_trainer", "rollout_versions_dead_timeline",
+            "forged_groups_consumed", "hangs", "leftover_processes", "worker_kills", "remote_kills", "trainer_kills",
+            "save_kills", "hostile_messages", "forged_groups_sent", "incarnations"]
+    rows = [[f"`{k}`", f(fig[k])] for k in keys if k in fig]
+    checks = table(["check", "passed"], [[f"`{k}`", f(v)] for k, v in verdict.items()])
+    head = (f"{fig['groups_lost']} lost, {fig['groups_consumed_twice']} twice over {fig['worker_kills'] + fig['remote_kills']}"
+            f" worker kills, {fig['trainer_kills'] + fig['save_kills']} trainer kills, {fig['hostile_messages']:,} hostile "
+            "messages")
+    return table(["figure", "value"], rows) + "\n\n" + checks, head
+
+
+def debugger_overhead(r: Result) -> tuple[str, str]:
+    rows = [[f(int(n)), f(m["tokens"]), f(m["collate_ms"], 1), f(m["observe_ms"], 1), f(m["observe_with_dump_ms"], 1),
+             x(m["observe_vs_collate"], 1), f(m["record_line_bytes"])] for n, m in r.data["metrics"].items()]
+    last = list(r.data["metrics"].items())[-1]
+    tbl = table(["rollouts", "tokens", "collate (ms)", "observe (ms)", "observe + dump (ms)", "observe ÷ collate",
+                 "record line (bytes)"], rows)
+    return tbl, f"{f(last[1]['observe_ms'], 0)} ms a step for {last[0]} rollouts"
+
+
+def vllm_weight_apply(r: Result) -> tuple[str, str]:
+    rows = [[f"`{k}`", f(v, 0), f(len(r.data["samples_s"][k]))] for k, v in r.data["median_ms"].items()]
+    note = f"A {r.data['params']:,}-parameter model ({r.data['bytes'] / 1e6:,.0f} MB), full updates into vLLM on CPU."
+    ratio = r.data["median_ms"]["rpc"] / r.data["median_ms"]["native"]
+    return note + "\n\n" + table(["path", "median (ms)", "samples"], rows), f"native API {x(ratio, 1)} faster than the RPC"
+
+
+def vllm_inflight_pause(r: Result) -> tuple[str, str]:
+    rows = []
+    for mode in ("keep", "abort", "idle"):
+        for what in ("apply", "pause"):
+            e = r.data[mode].get(what) or {}
+            if e:
+                rows.append([mode, what, f(e.get("n")), f(e["median_s"] * 1e3, 1), f(e["p99_s"] * 1e3, 1)])
+    head = f"pause p50 {f(r.data['keep']['pause']['median_s'] * 1e3, 0)} ms (keep)"
+    return table(["in flight", "what", "updates", "median (ms)", "p99 (ms)"], rows), head
+
+
+# -- the registry -------------------------------------------------------------------------------------------------------
+def _is(bench: str, **cond: Any) -> Callable[[Result], bool]:
+    def pred(r: Result) -> bool:
+        if r.data.get("benchmark") != bench or r.gpu != cond.get("gpu", False):
+            return False
+        c = r.data.get("config") or {}
+        if "mode" in cond and r.data.get("mode") != cond["mode"]:
+            return False
+        if "regime" in cond and c.get("regime") != cond["regime"]:
+            return False
+        if "calibrated" in cond and bool(c.get("calibrate")) != cond["calibrated"]:
+            return False
+        if "has" in cond and cond["has"] not in r.data:
+            return False
+        if "engine" in cond and bool(c.get("engine")) != cond["engine"]:
+            return False
+        return True
+
+    return pred
+
+
+@dataclass(slots=True)
+class Series:
+    title: str
+    select: Callable[[Result], bool]
+    render: Callable[[Result], tuple[str, str]]
+
+
+@dataclass(slots=True)
+class Benchmark:
+    page: str
+    """Page under docs/benchmarks/ (without .md)."""
+    title: str
+    script: str
+    measures: str
+    command: str
+    series: list[Series] = field(default_factory=list)
+
+
+BENCHMARKS = [
+    Benchmark("data_plane", "Data plane", "benchmarks/data_plane.py",
+              "rollouts/s into a training loop: `RolloutLoader` against `multiprocessing.Queue`, a Ray actor queue and raw ZeroMQ",
+              "python -m benchmarks.data_plane",
+              [Series("Rollouts/s into one consumer", _is("data_plane"), data_plane)]),
+    Benchmark("weight_sync", "Weight sync", "benchmarks/weight_sync.py",
+              "publish → verified in every receiver's engine, per backend and receiver count, against memcpy and raw pyzmq",
+              "python -m benchmarks.weight_sync",
+              [Series("End-to-end weight sync", _is("weight_sync"), weight_sync)]),
+    Benchmark("weight_delta", "Delta updates", "benchmarks/weight_delta.py",
+              "bytes and time of a delta update (`weights.delta`) against a full one",
+              "python -m benchmarks.weight_delta",
+              [Series("Full model", _is("weight_delta", has="zmq"), weight_delta),
+               Series("LoRA adapter", _is("weight_delta", has="lora"), weight_delta_lora)]),
+    Benchmark("freshness", "Freshness vs throughput", "benchmarks/freshness.py",
+              "trained rollouts/s, idle time and staleness per `max_staleness` and worker count, against min(G, T)",
+              "python -m benchmarks.freshness measured --staleness 0,1,2,4 --workers 1,2",
+              [Series("Measured", _is("freshness", mode="measured", regime=None), freshness_measured),
+               Series("Simulated, calibrated from a measured run",
+                      _is("freshness", mode="simulated", regime=None, calibrated=True), freshness_simulated),
+               Series("Simulated, a 7B-sized long tail", _is("freshness", mode="simulated", regime=None, calibrated=False),
+                      freshness_simulated)]),
+    Benchmark("streaming", "Streaming vs static workers", "benchmarks/freshness.py --regime long-tail",
+              "streaming workers against static batches on a long-tailed workload: rollouts/s and engine occupancy",
+              "python -m benchmarks.freshness measured --regime long-tail --engine hf",
+              [Series("Measured (the recipe)", _is("freshness", mode="measured", regime="long-tail"), streaming),
+               Series("Simulated", _is("freshness", mode="simulated", regime="long-tail"), streaming)]),
+    Benchmark("hf_streaming", "HF engine: streamed vs static", "benchmarks/hf_streaming.py",
+              "the HF engine alone: static `generate` against continuous batching on a long tail",
+              "python -m benchmarks.hf_streaming",
+              [Series("Streamed vs static", _is("hf_streaming"), hf_streaming)]),
+    Benchmark("trl_peer", "Against TRL", "benchmarks/trl_peer.py",
+              "the recipe against TRL's `GRPOTrainer` on the same model and workload: steady-state and end-to-end rollouts/s",
+              "python benchmarks/trl_peer.py",
+              [Series("Recipe vs TRL", _is("trl_peer", engine=False), trl_peer)]),
+    Benchmark("chaos", "Chaos", "benchmarks/chaos.py",
+              "the guarantees under SIGKILLs of workers and trainer (inside saves too) and a rogue peer",
+              "python -m benchmarks.chaos",
+              [Series("Accounting", _is("chaos"), chaos)]),
+    Benchmark("debugger_overhead", "Debugger cost", "benchmarks/debugger_overhead.py",
+              "the RL debugger's per-step cost against a collate of the same batch",
+              "python -m benchmarks.debugger_overhead",
+              [Series("Per step", _is("debugger_overhead"), debugger_overhead)]),
+    Benchmark("vllm_weight_apply", "vLLM: applying a full update", "benchmarks/vllm_weight_apply.py",
+              "a full update into vLLM through its weight-transfer API against the safetensors-bytes RPC",
+              "python -m benchmarks.vllm_weight_apply",
+              [Series("Apply time", _is("vllm_weight_apply"), vllm_weight_apply)]),
+    Benchmark("vllm_inflight_pause", "vLLM: the in-flight pause", "benchmarks/vllm_inflight_pause.py",
+              "how long an update pauses vLLM's in-flight requests (keep, abort, idle)",
+              "python -m benchmarks.vllm_inflight_pause",
+              [Series("Pause per update", _is("vllm_inflight_pause"), vllm_inflight_pause)]),
+    Benchmark("gpu", "GPU checks", "benchmarks/gpu_checks.sh",
+              "the GPU checks in one run: unit tests with CUDA, the recipe on a GPU, data plane and weight sync on a GPU host",
+              "bash benchmarks/gpu_checks.sh",
+              [Series("Data plane on a GPU host", _is("data_plane", gpu=True), data_plane),
+               Series("Weight sync on a GPU host", _is("weight_sync", gpu=True), weight_sync)]),
+]
+
+HEADLINES = (("data_plane", "data plane"), ("trl_peer", "against TRL"), ("streaming", "streaming workers"))
+"""The three numbers of README.md: (benchmark page, label)."""
+
+
+def newest(results: list[Result], series: Series) -> Result | None:
+    matching = [r for r in results if series.select(r)]
+    return max(matching, key=lambda r: (r.when, r.rel)) if matching else None
+
+
+def _block(bench: Benchmark, results: list[Result]) -> tuple[str, str, str]:
+    """(generated block of the page, headline, JSON of the first series) for one benchmark."""
+    parts, headline, first = [], "", ""
+    for s in bench.series:
+        r = newest(results, s)
+        parts += [f"### {s.title}", ""]
+        if r is None:
+            parts += ["No result file yet.", ""]
+            continue
+        tbl, head = s.render(r)
+        headline, first = headline or head, first or r.rel
+        parts += [f"From `{r.rel}` ({r.machine()}), the newest of {sum(map(s.select, results))} such result file(s).",
+                  "", tbl, ""]
+    return "\n".join(parts), headline, first
+
+
+def render(results: list[Result] | None = None) -> dict[Path, str]:
+    results = load_results() if results is None else results
+    out: dict[Path, str] = {}
+    index_rows, heads = [], {}
+    for bench in BENCHMARKS:
+        page = PAGES / f"{bench.page}.md"
+        block, head, first = _block(bench, results)
+        text = page.read_text() if page.exists() else f"# {bench.title}\n\n{BEGIN_END(bench.page)}\n"
+        out[page] = replace_block(text, "results", block)
+        heads[bench.page] = head
+        json_link = f"[{Path(first).name}]({Path(first).relative_to('benchmarks')})" if first else "–"
+        index_rows.append([f"[`{bench.script}`]({bench.script.split()[0].removeprefix('benchmarks/')})", bench.measures,
+                           f"`{bench.command}`", f"{head} ([page](../docs/benchmarks/{bench.page}.md))" if head else
+                           f"[page](../docs/benchmarks/{bench.page}.md)", json_link])
+    out[INDEX] = replace_block(INDEX.read_text(), "index",
+                               table(["script", "measures", "command", "latest result", "JSON"], index_rows))
+    lines = [f"- **{label}**: {heads[page]} ([{page}](docs/benchmarks/{page}.md))" for page, label in HEADLINES]
+    out[README] = replace_block(README.read_text(), "headlines", "\n".join(lines))
+    return out
+
+
+def BEGIN_END(name: str) -> str:
+    from docs._gen._text import BEGIN, END
+
+    return f"{BEGIN.format(name='results')}\n{END.format(name='results')}"
+
+
+if __name__ == "__main__":
+    for path, text in render().items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path.relative_to(ROOT)}", file=sys.stderr)
