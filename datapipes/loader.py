@@ -23,7 +23,8 @@ incarnation whose weights made it; the pool trains only rollouts of this run's t
 M:N: with ``world_size`` trainer ranks, each rank's loader owns shard ``rank`` of the prompt ledger
 and binds its own pool; when a process group exists the ranks exchange endpoints and every local
 worker connects to every rank's pool, so any worker can serve any rank while each rank still
-consumes only its own shard (disjoint by construction, resumable per rank with the same M).
+consumes only its own shard (disjoint by construction). A state saved at M ranks resumes at M′: every
+rank loads the list of all M ranks' states, and what is left of the epoch is re-dealt (:mod:`asyncrl.pool.reshard`).
 Shards are balanced by prompt token count when ``prompt_lengths`` is given.
 """
 
@@ -33,7 +34,7 @@ import collections
 import dataclasses
 import logging
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -43,6 +44,7 @@ from torchdata.nodes.loader import LoaderIterator
 from asyncrl.config import LoaderConfig
 from asyncrl.pool.ledger import PromptLedger
 from asyncrl.pool.buffer import RolloutPool
+from asyncrl.pool.reshard import needs_reshard, reshard
 from asyncrl.rollout import Group
 from asyncrl.transport import RolloutReceiver, setup_rollout_receiver
 from asyncrl.weights.verify import weight_mismatches
@@ -187,22 +189,44 @@ class RolloutLoader(Loader[TrainBatch]):
             self._it.reset(None)  # saved at the end of an epoch: the next one starts
         return self._it
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Restores a state saved by :meth:`state_dict` (this process or another), at once: ``policy_version``,
         the ledger and the buffered rollouts are the saved ones when this returns, so weights published next carry
         the resumed version. The next ``iter()`` continues from it (no group is fetched here).
 
+        Args:
+            state_dict: this rank's saved state (a run at the same number of ranks), or the saved states of every
+                rank of the run, in rank order, at any number of ranks: an elastic resume. Then what is left of the
+                epoch is dealt over this run's ranks, and each group buffered or delivered but not trained goes to
+                the rank that now owns its prompt (:mod:`asyncrl.pool.reshard`); every rank must be given the same
+                list. :meth:`~asyncrl.checkpoint.Checkpointer.load_loader` reads the list from a checkpoint.
+
         Raises:
-            ValueError: if the state was saved with another dataset, seed, group size or number of ranks.
+            ValueError: if the state was saved with another dataset, seed or group size, or is one rank's state of a
+                run at another number of ranks (give the list), or the states are not one checkpoint of one run.
             RuntimeError: if the loader is closed.
         """
         self._check_open()
+        if not isinstance(state_dict, Mapping):
+            state_dict = self._state_of_this_rank(list(state_dict))
         self._next_iter_state_dict = state_dict
         self._iter_for_state_dict = False
         iter(self)
         self._iter_for_state_dict = True
         self._fetch_pattern.restart()
         self._held_at_end = None
+
+    def _state_of_this_rank(self, states: list[Mapping[str, Any]]) -> Mapping[str, Any]:
+        """This rank's state from the states of every rank of a saved run (re-dealt at another number of ranks)."""
+        pools = [RolloutPoolNode.pool_state_in(s) for s in states]
+        if not needs_reshard(pools, self.pool.ledger):
+            return states[self.rank]
+        pool = reshard(pools, self.pool.ledger)
+        if self.rank == 0:
+            logger.info("resuming a state saved at %d trainer ranks at %d: epoch %d re-dealt, %d groups not yet "
+                        "trained on this rank's shard", len(states), self.world_size, pool["ledger"]["epoch"],
+                        len(pool["ready"]))
+        return RolloutPoolNode.with_pool_state(states[min(self.rank, len(states) - 1)], pool)
 
     def _check_open(self) -> None:
         if self.closed:

@@ -18,7 +18,7 @@ new one.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torchdata.nodes import BaseNode
@@ -135,6 +135,40 @@ class RolloutPoolNode(BaseNode[Group]):
                     "fresh_budget": self.pool.fresh_budget, "delivered": len(self.pool._delivered),
                     "leases": len(ledger.leases), "pending": ledger.has_pending(), "stats": dict(self.pool.stats),
                     "ledger": dict(ledger.counters)}
+
+    @classmethod
+    def pool_state_in(cls, state: Mapping[str, Any]) -> dict[str, Any]:
+        """The pool's state inside the state of a loader graph over this node (``RolloutLoader.state_dict()``).
+
+        Raises:
+            ValueError: ``state`` holds no rollout pool node state.
+        """
+        node = state
+        for key in cls._path_to_node(state):
+            node = node[key]
+        return node[cls.POOL_KEY]
+
+    @classmethod
+    def with_pool_state(cls, state: Mapping[str, Any], pool_state: dict[str, Any]) -> dict[str, Any]:
+        """A copy of a loader graph's ``state`` whose pool state is ``pool_state`` (the dicts on the way are copied,
+        everything else is shared)."""
+        out = dict(state)
+        node = out
+        for key in cls._path_to_node(state):
+            node[key] = dict(node[key])
+            node = node[key]
+        node[cls.POOL_KEY] = pool_state
+        return out
+
+    @classmethod
+    def _path_to_node(cls, state: Mapping[str, Any]) -> list[str]:
+        frontier: list[tuple[list[str], Mapping[str, Any]]] = [([], state)]
+        while frontier:
+            path, node = frontier.pop(0)
+            if isinstance(node.get(cls.POOL_KEY), Mapping) and cls.VERSION_KEY in node:
+                return path
+            frontier += [([*path, k], v) for k, v in node.items() if isinstance(v, Mapping)]
+        raise ValueError(f"no rollout pool node state in this state (keys {sorted(state)[:10]}): not a RolloutLoader's")
 
     def get_state(self) -> dict[str, Any]:
         if self.before_state is not None:

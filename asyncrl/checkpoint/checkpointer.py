@@ -30,6 +30,10 @@ What a checkpoint holds (:class:`Checkpointer`, usable from any loop, one proces
     config.json ...        files rank 0 adds (``files=``)
     base.json              ``base=`` only: the frozen base the adapter was trained on, by hash (asyncrl.models.qlora)
 
+A checkpoint resumes at any number of ranks (:meth:`Checkpointer.load`): DCP reshards the model and the optimizer,
+and at another number than saved it every rank reads the loader files of all saved ranks, merged and re-dealt by
+``RolloutLoader.load_state_dict`` (:mod:`asyncrl.pool.reshard`).
+
 With ``base=`` (QLoRA: a frozen 4-bit base under a trained adapter) the DCP sections hold only the trainable
 parameters and their optimizer state: the base is referenced by content hash, not copied, and a resume onto
 another base is refused (:class:`BaseMismatch`).
@@ -208,6 +212,13 @@ class CheckpointDir:
         missing = [f for f in files if not (path / f).exists()]
         return f"it lacks {', '.join(missing)}" if missing else None
 
+    def world_size_of(self, path: Path) -> int:
+        """The number of ranks that saved the checkpoint ``path`` (its marker's, or counted from its loader files)."""
+        try:
+            return int(json.loads((path / MARKER).read_text())["world_size"])
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            return len(list(path.glob("loader-rank*.pt")))
+
     def complete(self) -> list[Path]:
         """Complete ``step-*`` checkpoints, oldest commit first."""
         found = [p for p in self.root.glob("step-*") if _NAME.match(p.name) and self.why_incomplete(p) is None]
@@ -358,16 +369,26 @@ class Checkpointer:
     def load(self, path: str | os.PathLike, *, loader: bool = True) -> TrainerState:
         """Restores the model, the optimizer, this rank's RNG and (``loader=True``, if attached) its loader.
 
+        A checkpoint saved at another number of ranks resumes too: DCP reshards the model and the optimizer, the
+        loader states of all saved ranks are merged and what is left of the epoch re-dealt (:meth:`load_loader`),
+        and a rank the saved run did not have takes the RNG state of saved rank ``rank % saved ranks`` (step,
+        policy version and ``extra`` are the same on every saved rank).
+
         Raises:
-            FileNotFoundError: ``path`` lacks this rank's files (a checkpoint of another world size).
+            FileNotFoundError: ``path`` lacks a rank's trainer file (a damaged checkpoint).
         """
         import torch
 
         path = Path(path)
-        trainer_file = path / f"trainer-rank{self.rank}.pt"
+        saved_world = self.dir.world_size_of(path)
+        trainer_file = path / f"trainer-rank{self.rank % max(saved_world, 1)}.pt"
         if not trainer_file.exists():
-            raise FileNotFoundError(f"{path} has no {trainer_file.name}: it was saved by a run of another world "
-                                    f"size (this one has {self.world_size} ranks); resume with the same number")
+            raise FileNotFoundError(f"{path} has no {trainer_file.name} although it was saved by {saved_world} ranks: "
+                                    "a damaged checkpoint; resume from another one")
+        if saved_world != self.world_size and self.rank == 0:
+            print(f"resume: {path.name} was saved at {saved_world} trainer ranks, this run has {self.world_size}: the "
+                  "model and optimizer are resharded, the loader states of all saved ranks merged and what is left of "
+                  "the epoch re-dealt", file=sys.stderr, flush=True)
         self.load_model(path)
         trainer = torch.load(trainer_file, weights_only=True)
         torch.set_rng_state(trainer["rng"])
@@ -409,9 +430,20 @@ class Checkpointer:
         return {k: v for k, v in model_state.items() if k in trainable}, optim_state
 
     def load_loader(self, path: str | os.PathLike, loader: Any = None) -> None:
-        """Restores this rank's loader state from the checkpoint ``path`` (into ``loader``, or the attached one)."""
+        """Restores this rank's loader state from the checkpoint ``path`` (into ``loader``, or the attached one).
+
+        At the number of ranks that saved it, this rank's ``loader-rank{r}.pt``; at another, the list of every saved
+        rank's state (``RolloutLoader.load_state_dict`` merges them and takes this rank's share; the files are memory
+        mapped, so only the groups this rank now owns are read).
+        """
         import torch
 
         if loader is not None:
             self.loader = loader
-        self.loader.load_state_dict(torch.load(Path(path) / f"loader-rank{self.rank}.pt", weights_only=True))
+        path = Path(path)
+        saved_world = self.dir.world_size_of(path)
+        if saved_world == self.world_size:
+            self.loader.load_state_dict(torch.load(path / f"loader-rank{self.rank}.pt", weights_only=True))
+            return
+        self.loader.load_state_dict([torch.load(path / f"loader-rank{r}.pt", weights_only=True, mmap=True)
+                                     for r in range(saved_world)])

@@ -16,8 +16,9 @@ times is poisoned (:mod:`asyncrl.pool.poison`): parked (PENDING, never re-issued
 the pool raises, or ``LEASED/PENDING ──skip──► SKIPPED``: done for the epoch, never consumed.
 
 The ledger is like ``DistributedSampler`` plus DataLoader worker sharding, but dynamic: the order of
-prompts is a deterministic function of ``(seed, epoch)``, this rank owns a fixed shard of it, and
-prompts are handed to whichever worker asks, as leases with deadlines. A lease whose worker dies or
+prompts is a deterministic function of ``(seed, epoch)``, this rank owns a shard of it
+(:mod:`asyncrl.pool.shards`; a resume at another number of ranks re-deals what is left of the epoch,
+:mod:`asyncrl.pool.reshard`), and prompts are handed to whichever worker asks, as leases with deadlines. A lease whose worker dies or
 misses its deadline goes back to the front of the queue; the first complete group to arrive for a
 prompt wins and any other copy is a counted duplicate. Consumption is recorded as a watermark over
 the shard's order plus the set of positions consumed above it, so the state stays small.
@@ -35,9 +36,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-import torch
-
 from asyncrl.pool.poison import reissue_backoff_s
+from asyncrl.pool.shards import order_digest, shard_indices
 
 __all__ = ["Lease", "PromptLedger", "PromptState", "shard_indices"]
 
@@ -65,51 +65,6 @@ class Lease:
     """0 for the first issue of this prompt in this epoch, +1 per re-issue."""
 
 
-def shard_indices(
-    num_prompts: int,
-    *,
-    seed: int,
-    epoch: int,
-    rank: int,
-    world_size: int,
-    shuffle: bool = True,
-    prompt_lengths: Sequence[int] | None = None,
-    drop_remainder: bool = False,
-) -> list[int]:
-    """This rank's prompts for ``epoch``, in the order they are leased.
-
-    The global order is ``torch.randperm`` seeded with ``seed + epoch`` (as ``DistributedSampler``).
-    Each window of ``world_size`` consecutive prompts gives one prompt to every rank; with
-    ``prompt_lengths``, the longest prompt of the window goes to the rank with the fewest tokens so
-    far (greedy longest-processing-time), which balances prompt tokens across ranks. Shards are
-    disjoint and together cover the epoch; with ``drop_remainder`` every rank gets the same count and
-    the last ``num_prompts % world_size`` prompts of the order are skipped.
-    """
-    if not 0 <= rank < world_size:
-        raise ValueError(f"{rank=} must be in [0, {world_size=})")
-    if shuffle:
-        g = torch.Generator().manual_seed(seed + epoch)
-        order = torch.randperm(num_prompts, generator=g).tolist()
-    else:
-        order = list(range(num_prompts))
-    if drop_remainder:
-        order = order[: num_prompts - num_prompts % world_size]
-    if prompt_lengths is None:
-        return order[rank::world_size]
-    if len(prompt_lengths) != num_prompts:
-        raise ValueError(f"{len(prompt_lengths)=} must equal {num_prompts=}")
-    loads = [0] * world_size
-    mine: list[int] = []
-    for start in range(0, len(order), world_size):
-        window = sorted(order[start : start + world_size], key=lambda i: -prompt_lengths[i])
-        ranks = sorted(range(world_size), key=lambda r: (loads[r], r))
-        for idx, r in zip(window, ranks):
-            loads[r] += prompt_lengths[idx]
-            if r == rank:
-                mine.append(idx)
-    return mine
-
-
 class PromptLedger:
     """Leases this rank's prompts to workers and records what happened to each.
 
@@ -124,7 +79,9 @@ class PromptLedger:
         drop_remainder: give every rank the same number of prompts.
     """
 
-    STATE_VERSION = 1
+    STATE_VERSION = 2
+    READABLE_VERSIONS = (1, 2)
+    """1: before the shard's order (``order``, ``order_digest``) and the dealing flags were saved."""
 
     def __init__(
         self,
@@ -155,19 +112,27 @@ class PromptLedger:
         self.start_epoch(0)
 
     # -- epoch ---------------------------------------------------------------------------------
-    def start_epoch(self, epoch: int) -> None:
-        """Starts ``epoch`` from scratch: every prompt of the shard PENDING, no leases."""
+    def start_epoch(self, epoch: int, order: Sequence[int] | None = None) -> None:
+        """Starts ``epoch`` from scratch: every prompt of the shard PENDING, no leases.
+
+        Args:
+            epoch: the epoch.
+            order: this rank's shard in lease order, when it is not :func:`~asyncrl.pool.shards.shard_indices`'s
+                (an epoch re-dealt by a resume at another number of ranks, :mod:`asyncrl.pool.reshard`); saved with
+                the state until the epoch ends.
+        """
+        self._begin(epoch, list(order) if order is not None else self._shard(epoch), dealt=order is not None)
+
+    def _shard(self, epoch: int) -> list[int]:
+        return shard_indices(self.num_prompts, seed=self.seed, epoch=epoch, rank=self.rank, world_size=self.world_size,
+                             shuffle=self.shuffle, prompt_lengths=self.prompt_lengths,
+                             drop_remainder=self.drop_remainder)
+
+    def _begin(self, epoch: int, order: list[int], *, dealt: bool) -> None:
         self.epoch = epoch
-        self.order = shard_indices(
-            self.num_prompts,
-            seed=self.seed,
-            epoch=epoch,
-            rank=self.rank,
-            world_size=self.world_size,
-            shuffle=self.shuffle,
-            prompt_lengths=self.prompt_lengths,
-            drop_remainder=self.drop_remainder,
-        )
+        self.dealt = dealt  # the order is not shard_indices' (re-dealt at a resize): the state saves it
+        self.order = order
+        self._digest: str | None = None  # order_digest(self.order), computed on the first save of the epoch
         self._position = {idx: pos for pos, idx in enumerate(self.order)}
         self._cursor = 0  # next position never issued in this epoch
         self._retry: collections.deque[int] = collections.deque()  # prompt indices to re-issue first
@@ -450,6 +415,8 @@ class PromptLedger:
         outstanding = sorted({lease.prompt_index for lease in self.leases.values()}, key=self._position.__getitem__)
         retry = list(dict.fromkeys([*outstanding, *self._retry, *self._delayed]))
         retry = [i for i in retry if self.state_of(i) not in (PromptState.BUFFERED, PromptState.DELIVERED, PromptState.CONSUMED)]
+        if self._digest is None:
+            self._digest = order_digest(self.order)
         return {
             "version": self.STATE_VERSION,
             "epoch": self.epoch,
@@ -457,6 +424,10 @@ class PromptLedger:
             "seed": self.seed,
             "rank": self.rank,
             "world_size": self.world_size,
+            "shuffle": self.shuffle,
+            "drop_remainder": self.drop_remainder,
+            "order_digest": self._digest,
+            "order": list(self.order) if self.dealt else None,  # None: shard_indices(epoch, rank, world_size)
             "cursor": self._cursor,
             "retry": retry,
             "buffered": sorted(self._buffered | self._delivered, key=self._position.__getitem__),  # re-delivered
@@ -469,21 +440,28 @@ class PromptLedger:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores a ledger saved by :meth:`state_dict` with the same dataset, seed and topology.
+        """Restores a ledger saved by :meth:`state_dict` with the same dataset, seed, rank and number of ranks.
+
+        A state saved at another number of trainer ranks is not one rank's business: merge every rank's state with
+        :func:`asyncrl.pool.reshard.reshard` (``RolloutLoader.load_state_dict`` and ``Checkpointer.load_loader`` do)
+        and load the result.
 
         Raises:
-            ValueError: if the state was saved with another dataset size, seed or topology.
+            ValueError: if the state was saved with another dataset or seed, by another rank or number of ranks, or
+                for another order of the shard (other prompt lengths, ``shuffle`` or ``drop_remainder``).
         """
-        if state.get("version") != self.STATE_VERSION:
-            raise ValueError(f"ledger state version {state.get('version')!r} != {self.STATE_VERSION}")
-        mine = (self.num_prompts, self.seed, self.rank, self.world_size)
-        saved = (state["num_prompts"], state["seed"], state["rank"], state["world_size"])
-        if saved != mine:
+        self.check_state(state)
+        saved_order = state.get("order")
+        order = list(saved_order) if saved_order is not None else self._shard(state["epoch"])
+        if state.get("order_digest") is not None and state["order_digest"] != order_digest(order):
             raise ValueError(
-                f"ledger state was saved for (num_prompts, seed, rank, world_size)={saved} but this run has {mine}; "
-                "resume with the same dataset, seed and number of trainer ranks"
+                f"ledger state of rank {self.rank} (epoch {state['epoch']}) was saved for another order of its shard "
+                f"than this run deals (shuffle={state.get('shuffle')}, drop_remainder={state.get('drop_remainder')} "
+                f"then; shuffle={self.shuffle}, drop_remainder={self.drop_remainder} now; or other prompt lengths, "
+                "i.e. another dataset of the same size): which prompts were trained cannot be told; resume with the "
+                "run's dataset and settings"
             )
-        self.start_epoch(state["epoch"])
+        self._begin(state["epoch"], order, dealt=saved_order is not None)
         self._cursor = state["cursor"]
         self._retry = collections.deque(state["retry"])
         self._buffered = set(state["buffered"])
@@ -493,3 +471,32 @@ class PromptLedger:
         self._failures = {int(k): (int(n), str(e)) for k, (n, e) in state.get("failures", {}).items()}
         self._skipped = set(state.get("skipped", ()))
         self.counters = collections.Counter(state["counters"])
+
+    def check_state(self, state: dict[str, Any], *, same_topology: bool = True) -> None:
+        """Refuses, with the reason, a ledger state this ledger cannot continue.
+
+        Args:
+            state: a ledger state dict.
+            same_topology: also require this ledger's rank and number of ranks (False: a state of any rank of a run at
+                any number of ranks, to be merged by :mod:`asyncrl.pool.reshard`).
+
+        Raises:
+            ValueError: another schema version, dataset size or seed (or rank and number of ranks).
+        """
+        if state.get("version") not in self.READABLE_VERSIONS:
+            raise ValueError(f"ledger state version {state.get('version')!r} is not one of {self.READABLE_VERSIONS}")
+        if (state["num_prompts"], state["seed"]) != (self.num_prompts, self.seed):
+            raise ValueError(
+                f"ledger state was saved for a dataset of {state['num_prompts']} prompts with seed {state['seed']}, "
+                f"but this run has {self.num_prompts} prompts and seed {self.seed}: another dataset or seed puts every "
+                "epoch in another order, so what was trained cannot be told from what was not; resume with the "
+                "run's dataset and seed, or start a fresh run"
+            )
+        if same_topology and (state["rank"], state["world_size"]) != (self.rank, self.world_size):
+            raise ValueError(
+                f"ledger state is rank {state['rank']}'s of a run at {state['world_size']} trainer ranks, but this "
+                f"ledger is rank {self.rank} of {self.world_size}: at another number of ranks (or rank) give every "
+                f"rank the states of all {state['world_size']} ranks (RolloutLoader.load_state_dict([state of rank "
+                "0, state of rank 1, ...]); Checkpointer.load_loader reads them), which merges them and deals what "
+                "is left of the epoch over this run's ranks"
+            )

@@ -83,12 +83,33 @@ def test_a_save_without_the_loader_says_how_to_attach_it(tmp_path):
         Checkpointer(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.1)).save(1, 0)
 
 
-def test_a_checkpoint_of_another_world_size_is_refused_with_the_fix(tmp_path):
+def _as_if_saved_by_two_ranks(path) -> None:
+    """Makes a one-rank checkpoint look like a two-rank one: rank 1's files (its own loader state) and the marker."""
+    torch.save({"consumed": [7]}, path / "loader-rank1.pt")
+    trainer = torch.load(path / "trainer-rank0.pt", weights_only=True)
+    torch.save({**trainer, "rng": torch.ByteTensor(trainer["rng"].numel()).zero_()}, path / "trainer-rank1.pt")
+    marker = json.loads((path / "COMPLETE").read_text())
+    marker.update(world_size=2, files=[*marker["files"], "loader-rank1.pt", "trainer-rank1.pt"])
+    (path / "COMPLETE").write_text(json.dumps(marker))
+
+
+def test_a_checkpoint_of_another_world_size_resumes_with_every_ranks_loader_state(tmp_path, capsys):
+    """At another number of ranks than saved, the loader gets the list of every saved rank's state (it re-deals them:
+    tests/unit/test_reshard.py), a new rank takes the trainer state of saved rank ``rank % saved``; a missing trainer
+    file is a damaged checkpoint."""
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    path = Checkpointer(tmp_path, model, opt, FakeLoader()).save(1, 0)
-    (path / "trainer-rank0.pt").rename(path / "trainer-rank1.pt")
-    with pytest.raises(FileNotFoundError, match="another world size"):
+    path = Checkpointer(tmp_path, model, opt, FakeLoader()).save(4, 3, extra={"note": "x"})
+    _as_if_saved_by_two_ranks(path)
+    loader = FakeLoader({})
+    ckpt = Checkpointer(tmp_path, model, opt, loader)
+    assert ckpt.dir.world_size_of(path) == 2 and ckpt.resolve() == path
+    state = ckpt.load(path)
+    assert (state.step, state.policy_version, state.extra) == (4, 3, {"note": "x"})
+    assert loader.state == [{"consumed": [1, 2, 3]}, {"consumed": [7]}]
+    assert "saved at 2 trainer ranks, this run has 1" in capsys.readouterr().err
+    (path / "trainer-rank0.pt").unlink()
+    with pytest.raises(FileNotFoundError, match="damaged checkpoint"):
         Checkpointer(tmp_path, model, opt, FakeLoader()).load(path)
 
 

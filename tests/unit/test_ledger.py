@@ -426,15 +426,18 @@ def test_state_dict_roundtrip_done_epoch():
 
 
 @pytest.mark.parametrize(
-    "kwargs,name",
+    "kwargs,saved,now,why",
     [
-        (dict(num_prompts=11), "num_prompts"),
-        (dict(seed=12), "seed"),
-        (dict(rank=1, world_size=2), "rank"),
-        (dict(world_size=2), "world_size"),
+        (dict(num_prompts=11), "10 prompts with seed 11", "11 prompts and seed 11", "another dataset or seed"),
+        (dict(seed=12), "10 prompts with seed 11", "10 prompts and seed 12", "another dataset or seed"),
+        (dict(rank=1, world_size=2), "rank 0's of a run at 1 trainer ranks", "rank 1 of 2", "states of all 1 ranks"),
+        (dict(world_size=2), "rank 0's of a run at 1 trainer ranks", "rank 0 of 2", "states of all 1 ranks"),
+        (dict(shuffle=False), "shuffle=True", "shuffle=False, drop_remainder=False now", "cannot be told"),
     ],
 )
-def test_load_state_dict_rejects_mismatch(kwargs, name):
+def test_load_state_dict_rejects_mismatch(kwargs, saved, now, why):
+    """Refused with what the state was saved with, what this run has and why; the ledger is left untouched (a resume
+    at another number of ranks goes through asyncrl.pool.reshard with every rank's state: tests/unit/test_reshard.py)."""
     old, _ = _mid_epoch_ledger()
     state = old.state_dict()
     params = dict(num_prompts=10, seed=11, rank=0, world_size=1)
@@ -444,10 +447,35 @@ def test_load_state_dict_rejects_mismatch(kwargs, name):
     with pytest.raises(ValueError) as exc:
         new.load_state_dict(state)
     msg = str(exc.value)
-    assert name in msg
-    assert str((10, 11, 0, 1)) in msg  # what the state was saved with
-    assert str((new.num_prompts, new.seed, new.rank, new.world_size)) in msg  # what this run has
+    assert saved in msg and now in msg and why in msg, msg
     assert (new.order, dict(new.leases)) == before  # untouched
+
+
+def test_a_shard_the_prompt_lengths_no_longer_give_is_refused():
+    """Another dataset of the same size with other prompt lengths deals other shards: the saved positions would mark
+    other prompts as trained."""
+    lengths = [1, 9, 2, 8, 3, 7, 4, 6, 5, 5]
+    old = PromptLedger(10, seed=1, rank=0, world_size=2, prompt_lengths=lengths)
+    lease_all(old)
+    state = old.state_dict()
+    other = PromptLedger(10, seed=1, rank=0, world_size=2, prompt_lengths=lengths[::-1])
+    assert other.order != old.order
+    with pytest.raises(ValueError, match="another order of its shard .* other prompt lengths"):
+        other.load_state_dict(state)
+    same = PromptLedger(10, seed=1, rank=0, world_size=2, prompt_lengths=lengths)
+    same.load_state_dict(state)
+    assert same.order == old.order
+
+
+def test_a_version_1_state_still_loads():
+    old, info = _mid_epoch_ledger()
+    state = old.state_dict()
+    for key in ("shuffle", "drop_remainder", "order_digest", "order"):
+        del state[key]
+    state["version"] = 1
+    new = PromptLedger(10, seed=11)
+    new.load_state_dict(state)
+    assert new.order == old.order and new.num_consumed == 1
 
 
 def test_load_state_dict_rejects_other_version():
