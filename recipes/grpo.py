@@ -133,7 +133,7 @@ class GRPORecipe:
             self.step, self.version = resumed.step, resumed.policy_version
             if self.rank == 0:
                 print(f"resumed from {latest} at step {self.step}, policy version {self.version}", file=sys.stderr)
-            continue_records(record_files(self.run_dir, self.rank), self.step, who=f"[rank {self.rank}] ")
+            continue_records(record_files(self.run_dir, self.rank, self.world), self.step, who=f"[rank {self.rank}] ")
         elif cfg.train.sft_steps and not cfg.lora.rank:
             self._sft_warmup()
         self.reference = None if cfg.loss.beta == 0 else ReferencePolicy.for_run(  # the KL's frozen initial policy

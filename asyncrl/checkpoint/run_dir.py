@@ -178,14 +178,24 @@ def hold_run_dir(run_dir: str | os.PathLike) -> RunDirLock | None:
     return lock
 
 
-def record_files(run_dir: str | os.PathLike, rank: int) -> list[Path]:
+def record_files(run_dir: str | os.PathLike, rank: int, world_size: int | None = None) -> list[Path]:
     """The record files rank ``rank`` continues on resume: its consumed log and debugger steps; rank 0 also the
-    shared ``metrics.jsonl`` and ``debug/anomalies.jsonl``."""
+    shared ``metrics.jsonl`` and ``debug/anomalies.jsonl`` and, given this run's ``world_size``, the per-rank files
+    of every rank at or above it (a run resumed at fewer ranks than it had: the steps those ranks logged after the
+    checkpoint were rolled back too)."""
     run_dir = Path(run_dir)
     paths = [run_dir / f"consumed-rank{rank}.jsonl", run_dir / "debug" / f"steps-rank{rank}.jsonl"]
     if rank == 0:
         paths += [run_dir / "metrics.jsonl", run_dir / "debug" / "anomalies.jsonl"]
+        if world_size is not None:
+            paths += sorted(p for pattern in ("consumed-rank*.jsonl", "debug/steps-rank*.jsonl")
+                            for p in run_dir.glob(pattern) if _rank_of(p) >= world_size)
     return paths
+
+
+def _rank_of(path: Path) -> int:
+    digits = path.stem.rsplit("rank", 1)[-1]
+    return int(digits) if digits.isdigit() else -1
 
 
 def continue_records(paths: list[Path], step: int, *, who: str = "") -> None:

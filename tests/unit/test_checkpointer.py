@@ -126,3 +126,18 @@ def test_run_dir_helpers_without_a_process_group(tmp_path):
     files[0].write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)))
     continue_records(files, 3)
     assert [json.loads(line)["step"] for line in files[0].read_text().splitlines()] == [1, 2, 3]
+
+
+def test_a_resume_at_fewer_ranks_rolls_back_the_records_of_the_ranks_it_no_longer_has(tmp_path):
+    """Saved at 3 ranks at step 2, killed at step 4, resumed at 1: rank 0 also truncates ranks 1 and 2's files (their
+    steps 3-4 were rolled back and will be trained by rank 0), and leaves them alone at the same size."""
+    for rank in range(3):
+        for name in (f"consumed-rank{rank}.jsonl", f"debug/steps-rank{rank}.jsonl"):
+            (tmp_path / name).parent.mkdir(exist_ok=True)
+            (tmp_path / name).write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 5)))
+    assert record_files(tmp_path, 0, 3) == record_files(tmp_path, 0)
+    assert record_files(tmp_path, 1, 1) == record_files(tmp_path, 1)  # only rank 0 looks after the others
+    continue_records(record_files(tmp_path, 0, 1), 2)
+    for rank in range(3):
+        for name in (f"consumed-rank{rank}.jsonl", f"debug/steps-rank{rank}.jsonl"):
+            assert [json.loads(line)["step"] for line in (tmp_path / name).read_text().splitlines()] == [1, 2], name
