@@ -6,7 +6,9 @@ The consumer is the loop a user writes: it keeps ``prefetch`` batches fetched ah
 plain ``for`` loop; 1: Lightning), trains the oldest, then calls ``set_policy_version`` on every rank. At an epoch
 end it trains what it holds before it starts the next epoch with a new ``iter()``. A checkpoint is every rank's
 ``state_dict()`` plus the trainer's version; a resume closes every loader, builds new ones and loads one of the
-saved checkpoints (not always the newest: a rollback), and the model forgets what was trained after it.
+saved checkpoints (not always the newest: a rollback), and the model forgets what was trained after it. A resume may
+be at the other number of ranks (1 <-> 2): every new loader is given the list of all saved ranks' states, and what is
+left of the epoch is re-dealt.
 
 Invariants (the guarantees, DESIGN section 4):
 * along the surviving timeline each group of each epoch is trained at most once, and an epoch the consumer has
@@ -14,7 +16,7 @@ Invariants (the guarantees, DESIGN section 4):
 * every trained rollout has ``0 <= trainer version - policy_version <= max_staleness`` (none newer than the trainer);
 * a saved state says what was trained: its policy version is the trainer's, its epoch the consumer's (or the
   next one, with nothing consumed, once the consumer's epoch is all trained), and its consumed count the groups of
-  that epoch the rank trained;
+  the rank's shard of that epoch that were trained (by it, or before a resize by any rank);
 * nothing hangs: every wait is bounded (``wait_timeout_s``), so a stuck pipeline fails the test.
 
 The workers are the real worker loop (``workers.worker.run_worker``) on the fake engine, in threads of this
@@ -57,6 +59,7 @@ class ResumeContract(RuleBasedStateMachine):
         self.version = 0
         self.trained: dict[int, dict[int, int]] = collections.defaultdict(dict)  # epoch -> {prompt: rank}
         self.rank_epoch: list[int] = []  # per rank: the epoch of the newest batch fetched (or resumed at)
+        self.shards: dict[tuple[int, int], list[int]] = {}  # (epoch, rank) -> the rank's shard, as its ledger has it
         self.checkpoints: list[dict] = []
 
     # -- the run -------------------------------------------------------------------------------
@@ -78,8 +81,8 @@ class ResumeContract(RuleBasedStateMachine):
         self.loaders = [RolloutLoader(self.prompts, self.config, rank=r, world_size=self.ranks, incarnation=incarnation)
                         for r in range(self.ranks)]
         if state is not None:
-            for r, loader in enumerate(self.loaders):
-                loader.load_state_dict(state["ranks"][r])
+            for r, loader in enumerate(self.loaders):  # at another number of ranks: the list of every rank's state
+                loader.load_state_dict(state["ranks"][r] if len(state["ranks"]) == self.ranks else state["ranks"])
         endpoints = [loader.endpoint for loader in self.loaders]
         worker = WorkerConfig(slots=2, max_batch=2, engine=FakeEngineConfig(max_new_tokens=4))
         self.threads = [threading.Thread(target=run_worker, args=(endpoints, worker, TRANSPORT), daemon=True,
@@ -92,6 +95,7 @@ class ResumeContract(RuleBasedStateMachine):
             assert time.monotonic() < deadline, "the worker threads did not join their pools"
             time.sleep(0.01)
         self.iters = [iter(loader) for loader in self.loaders]
+        self._record_shards()
         self.held: list[collections.deque] = [collections.deque() for _ in self.loaders]  # fetched, not trained
         self.exhausted = [False] * self.ranks
 
@@ -123,6 +127,11 @@ class ResumeContract(RuleBasedStateMachine):
                 continue
             self.held[r].append(batch)
             self.rank_epoch[r] = _epoch_of(batch)
+            self._record_shards()
+
+    def _record_shards(self) -> None:
+        for r, loader in enumerate(self.loaders):
+            self.shards[(loader.pool.ledger.epoch, r)] = list(loader.pool.ledger.order)
 
     def _train_one(self, r: int) -> None:
         self._fetch(r)
@@ -163,13 +172,14 @@ class ResumeContract(RuleBasedStateMachine):
             self.checkpoint_and_restart()
 
     def _left_in_epoch(self, r: int, epoch: int) -> bool:
-        return self.rank_epoch[r] <= epoch and self._trained_by(r, epoch) < self._shard(r)
+        return self.rank_epoch[r] <= epoch and self._trained_by(r, epoch) < self._shard(r, epoch)
 
     def _trained_by(self, r: int, epoch: int) -> int:
-        return sum(1 for rank in self.trained[epoch].values() if rank == r)
+        """The prompts of rank ``r``'s shard of ``epoch`` trained so far (by it, or by any rank before a resize)."""
+        return sum(1 for prompt in self.shards[(epoch, r)] if prompt in self.trained[epoch])
 
-    def _shard(self, r: int) -> int:
-        return self.loaders[r].pool.ledger.shard_size
+    def _shard(self, r: int, epoch: int) -> int:
+        return len(self.shards[(epoch, r)])
 
     # -- checkpoints ---------------------------------------------------------------------------
     @rule()
@@ -179,13 +189,14 @@ class ResumeContract(RuleBasedStateMachine):
             self._check_saved(r, _pool_state(state))
         self.checkpoints.append({
             "ranks": states, "version": self.version, "rank_epoch": list(self.rank_epoch),
-            "trained": {e: dict(c) for e, c in self.trained.items()},
+            "trained": {e: dict(c) for e, c in self.trained.items()}, "shards": dict(self.shards),
         })
 
     def _check_saved(self, r: int, pool: dict) -> None:
         ledger = pool["ledger"]
         consumed = ledger["watermark"] + len(ledger["consumed_above"])
-        epoch, trained, shard = self.rank_epoch[r], self._trained_by(r, self.rank_epoch[r]), self._shard(r)
+        epoch = self.rank_epoch[r]
+        trained, shard = self._trained_by(r, epoch), self._shard(r, epoch)
         assert pool["policy_version"] == self.version, f"saved version {pool['policy_version']} != {self.version}"
         on_epoch = (ledger["epoch"], consumed) == (epoch, trained)
         next_epoch = (ledger["epoch"], consumed) == (epoch + 1, 0) and trained == shard
@@ -199,20 +210,32 @@ class ResumeContract(RuleBasedStateMachine):
         self.save()
         self._resume(len(self.checkpoints) - 1)
 
+    @rule()
+    def resize(self) -> None:
+        """A checkpoint, then the trainer resumes from it at the other number of ranks (1 <-> 2): a node lost or
+        gained."""
+        self.save()
+        self._resume(len(self.checkpoints) - 1, ranks=3 - self.ranks)
+
     @precondition(lambda self: len(self.checkpoints) > 1)
     @rule(data=st.data())
     def rollback(self, data: st.DataObject) -> None:
-        """The trainer resumes from an older checkpoint than its newest (a rolled-back run)."""
+        """The trainer resumes from an older checkpoint than its newest (a rolled-back run), at the number of ranks
+        it has now (which may not be the one that saved it)."""
         self._resume(data.draw(st.integers(0, len(self.checkpoints) - 2), label="checkpoint"))
 
-    def _resume(self, index: int) -> None:
+    def _resume(self, index: int, ranks: int | None = None) -> None:
         ckpt = self.checkpoints[index]
         del self.checkpoints[index + 1:]  # the timeline forks here: later checkpoints belong to a dead branch
         self._close()
+        self.ranks = ranks or self.ranks
         self.version = ckpt["version"]
         self.rank_epoch = list(ckpt["rank_epoch"])
         self.trained = collections.defaultdict(dict, {e: dict(c) for e, c in ckpt["trained"].items()})
+        self.shards = dict(ckpt["shards"])
         self._open(ckpt)
+        if len(ckpt["ranks"]) != self.ranks:  # re-dealt: each rank is resumed at the epoch its new shard is of
+            self.rank_epoch = [loader.pool.ledger.epoch for loader in self.loaders]
 
     # -- invariants ----------------------------------------------------------------------------
     @invariant()
