@@ -42,7 +42,7 @@ from typing import Any
 
 from asyncrl.pool.buffer import RolloutPool
 from asyncrl.pool.ledger import PromptLedger
-from asyncrl.pool.shards import all_shards, epoch_order, order_digest
+from asyncrl.pool.shards import all_shards, deal, epoch_order, order_digest
 
 __all__ = ["needs_reshard", "reshard"]
 
@@ -96,12 +96,11 @@ def reshard(states: Sequence[Mapping[str, Any]], ledger: PromptLedger) -> dict[s
     """
     _check_one_checkpoint(states, ledger)
     merged = _merge(states, ledger)
-    shards = _plan(merged, ledger)
     world, rank = ledger.world_size, ledger.rank
-    order = shards[rank]
-    standard = all_shards(ledger.num_prompts, seed=ledger.seed, epoch=merged.epoch, world_size=world,
-                          shuffle=ledger.shuffle, prompt_lengths=ledger.prompt_lengths,
-                          drop_remainder=ledger.drop_remainder)[rank]
+    epoch = epoch_order(ledger.num_prompts, seed=ledger.seed, epoch=merged.epoch, shuffle=ledger.shuffle)
+    kept = epoch[: len(epoch) - len(epoch) % world] if ledger.drop_remainder else epoch
+    base = deal(kept, world, ledger.prompt_lengths)  # a run at M′ from scratch: shard_indices of every rank
+    order = _plan(merged, epoch, base)[rank]
     owned = set(order)
     position = {idx: pos for pos, idx in enumerate(order)}
     consumed = {position[i] for i in owned & merged.consumed}
@@ -113,7 +112,7 @@ def reshard(states: Sequence[Mapping[str, Any]], ledger: PromptLedger) -> dict[s
         "version": PromptLedger.STATE_VERSION, "epoch": merged.epoch, "num_prompts": ledger.num_prompts,
         "seed": ledger.seed, "rank": rank, "world_size": world, "shuffle": ledger.shuffle,
         "drop_remainder": ledger.drop_remainder, "order_digest": order_digest(order),
-        "order": None if order == standard else order, "cursor": 0,
+        "order": None if order == base[rank] else order, "cursor": 0,
         "retry": [i for i in order if i in merged.retry], "buffered": buffered, "watermark": watermark,
         "consumed_above": sorted(p for p in consumed if p > watermark),
         "attempts": {k: v for k, v in merged.attempts.items() if int(k) in owned},
@@ -134,13 +133,16 @@ def reshard(states: Sequence[Mapping[str, Any]], ledger: PromptLedger) -> dict[s
     }
 
 
-def _plan(merged: _Epoch, ledger: PromptLedger) -> list[list[int]]:
-    """Every new rank's shard of the merged epoch, each in the epoch's order (see the module docstring)."""
-    world = ledger.world_size
-    order = epoch_order(ledger.num_prompts, seed=ledger.seed, epoch=merged.epoch, shuffle=ledger.shuffle)
-    pos = {idx: p for p, idx in enumerate(order)}
-    base = all_shards(ledger.num_prompts, seed=ledger.seed, epoch=merged.epoch, world_size=world,
-                      shuffle=ledger.shuffle, prompt_lengths=ledger.prompt_lengths, drop_remainder=ledger.drop_remainder)
+def _plan(merged: _Epoch, epoch: list[int], base: list[list[int]]) -> list[list[int]]:
+    """Every new rank's shard of the merged epoch, each in the epoch's order (see the module docstring).
+
+    Args:
+        merged: the saved ranks' epoch.
+        epoch: the epoch's global order.
+        base: the shards a run at the new number of ranks deals from scratch.
+    """
+    world = len(base)
+    pos = {idx: p for p, idx in enumerate(epoch)}
     done = merged.done
     shards = [[i for i in s if i in merged.prompts] for s in base]
     left = [[i for i in s if i not in done] for s in shards]
