@@ -81,15 +81,15 @@ import torch
 import zmq
 from tqdm import tqdm
 
-from benchmarks._report import machine
 from asyncrl.codec import decode, encode
 from asyncrl.config import FakeEngineConfig, LoaderConfig, WorkerConfig
+from asyncrl.rewards.legacy import fake_reward
 from asyncrl.rollout import Group
 from asyncrl.transport import ReceivedLease, RolloutSender
+from benchmarks._report import machine
 from datapipes.collate import TrainBatch, collate_groups
 from datapipes.loader import RolloutLoader
 from workers.engines.fake import FakeEngine
-from asyncrl.rewards.legacy import fake_reward
 from workers.worker import RolloutWorker
 
 PROMPT_TOKENS = 64

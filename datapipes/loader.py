@@ -41,8 +41,8 @@ from torchdata.nodes import Batcher, Loader, Mapper
 from torchdata.nodes.loader import LoaderIterator
 
 from asyncrl.config import LoaderConfig
-from asyncrl.pool.ledger import PromptLedger
 from asyncrl.pool.buffer import RolloutPool
+from asyncrl.pool.ledger import PromptLedger
 from asyncrl.rollout import Group
 from asyncrl.transport import RolloutReceiver, setup_rollout_receiver
 from asyncrl.weights.verify import weight_mismatches

@@ -41,6 +41,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+
 from asyncrl.rewards.reward_set import RewardError
 from asyncrl.transport import ReceivedLease
 from workers.context import WorkerContext

@@ -43,11 +43,11 @@ from typing import Any
 from asyncrl._logging import Throttle
 from asyncrl.config import FaultConfig, TransportConfig, WorkerConfig
 from asyncrl.data.images import image_provenance, prompt_images
+from asyncrl.pool.admission import MAX_STATUS_KEYS
 from asyncrl.rewards.legacy import RewardFn
 from asyncrl.rewards.reward_set import RewardError, RewardSet
 from asyncrl.rollout import Group, Rollout, make_group_id
 from asyncrl.transport import ReceivedLease, RolloutSender, setup_rollout_sender
-from asyncrl.pool.admission import MAX_STATUS_KEYS
 from asyncrl.weights.verify import WeightVerifier
 from workers import faults
 from workers.engines import Completion, Engine, GenerationRequest, build_engine

@@ -46,8 +46,8 @@ import orjson
 import torch
 
 from asyncrl.config.debug import DebugConfig
-from asyncrl.debug.record import StepRecorder, step_record
 from asyncrl.debug.dump import write_dump
+from asyncrl.debug.record import StepRecorder, step_record
 from asyncrl.weights.verify import weight_mismatches
 
 __all__ = ["Anomaly", "AnomalyDetectors", "Debugger", "weights_checksum"]

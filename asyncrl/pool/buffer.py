@@ -44,9 +44,9 @@ from typing import Any
 from asyncrl._logging import Throttle
 from asyncrl.pool.ledger import Lease, PromptLedger, PromptState
 from asyncrl.pool.poison import PoisonedPromptError, PoisonPolicy
-from asyncrl.rollout import Group, Rollout
 from asyncrl.pool.staleness import check_policy_version, is_stale
 from asyncrl.pool.timeline import Timeline, new_incarnation
+from asyncrl.rollout import Group, Rollout
 
 __all__ = ["RolloutPool"]
 

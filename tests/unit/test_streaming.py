@@ -13,10 +13,10 @@ import pytest
 
 from asyncrl.config import FakeEngineConfig, HFEngineConfig, VllmEngineConfig, WorkerConfig
 from asyncrl.rewards import RewardSet
+from asyncrl.rewards.legacy import fake_reward
 from asyncrl.transport import ReceivedLease
 from workers.engines.base import GenerationRequest
 from workers.engines.fake import FakeEngine
-from asyncrl.rewards.legacy import fake_reward
 from workers.worker import RolloutWorker
 
 SPT = 0.002  # seconds per token of the fake engine

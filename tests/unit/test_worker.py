@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from asyncrl.config import HFEngineConfig
+from asyncrl.rewards.legacy import arithmetic_reward, call_reward, fake_reward
+from asyncrl.testing.tiny_model import build_tiny_model
 from asyncrl.train.logprobs import token_logprobs
 from asyncrl.transport import ReceivedLease
 from asyncrl.weights import WeightUpdate
 from tests.engine_utils import SAMPLING, TOL, load_model, perturbed
 from workers.engines import Completion, build_engine
 from workers.environments import ArithmeticRetryEnv
-from asyncrl.rewards.legacy import arithmetic_reward, call_reward, fake_reward
-from asyncrl.testing.tiny_model import build_tiny_model
 from workers.worker import RolloutWorker
 
 

@@ -7,9 +7,9 @@ import logging
 
 from asyncrl._logging import Throttle
 from asyncrl.config import FakeEngineConfig
+from asyncrl.rewards.legacy import fake_reward
 from asyncrl.transport import ReceivedLease
 from workers.engines import build_engine
-from asyncrl.rewards.legacy import fake_reward
 from workers.worker import RolloutWorker
 
 POISON = {"foo": 1}
