@@ -31,6 +31,9 @@ _EXPORTS = {
     "Group": "asyncrl.rollout",
     "DecodeError": "asyncrl.codec",
     "staleness": "asyncrl.pool.staleness",
+    # what next(loader) raises besides StopIteration: a prompt every worker fails on, a worker that cannot start
+    "PoisonedPromptError": "asyncrl.pool.poison",
+    "WorkerStartError": "workers.launcher",
     # your data and rewards
     "load_prompts": "asyncrl.data.prompts",
     "render_prompt": "asyncrl.data.prompts",

@@ -151,8 +151,8 @@ class CallbackSender(RolloutSender):
     def send_group(self, lease: ReceivedLease, group: Group) -> None:
         self.deliver(group)
 
-    def send_failed(self, lease: ReceivedLease, error: str) -> None:
-        raise RuntimeError(f"lease {lease.lease_id} failed: {error}")
+    def send_failed(self, lease: ReceivedLease, error: str, culprit: str | None = None) -> None:
+        raise RuntimeError(f"lease {lease.lease_id} failed ({culprit}): {error}")
 
     @property
     def done(self) -> bool:

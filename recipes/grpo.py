@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import gc
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -41,6 +42,7 @@ if __name__ == "__main__":  # a rank: no cyclic collections over the heap the im
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from asyncrl import (  # the public surface: every component the recipe picks
     Checkpointer,
@@ -48,7 +50,6 @@ from asyncrl import (  # the public surface: every component the recipe picks
     PolicySync,
     RecipeConfig,
     ReferencePolicy,
-    RewardSet,
     RolloutLoader,
     RunDirLocked,
     UpdateGuard,
@@ -76,7 +77,9 @@ from asyncrl.data.prompts import sft_batch
 from asyncrl.debug.plot import plot
 from asyncrl.debug.rejection import replay_rejection, write_rejected_batch  # noqa: F401 (tests replay from here)
 from asyncrl.lifeline import die_with_parent, end_run  # noqa: F401 (tests and benchmarks end runs with it)
+from asyncrl.models.loading import check_model_dir
 from asyncrl.pool.timeline import new_incarnation
+from asyncrl.rewards.preflight import reward_columns, try_rewards, worker_env
 from asyncrl.testing.tiny_model import build_tiny_model
 from asyncrl.testing.tiny_vlm import build_tiny_vlm
 from asyncrl.train.losses import all_reduce_sum
@@ -120,7 +123,12 @@ class GRPORecipe:
             build(model_dir, seed=cfg.train.seed, dtype=cfg.model.dtype)
         dist.barrier()
         self.model_dir = model_dir
-        self.prompts = load_prompts(cfg.data, model_dir)  # rendered to token ids once, here; logs what it drops
+        # rendered to token ids once, here; logs what it drops; refuses rows with an empty value the run reads
+        self.prompts = load_prompts(cfg.data, model_dir, required_columns=self._required_columns())
+        # each reward function imported and called on the first prompt now, before the model, the warm start, the
+        # weight channel or any worker: a broken reward fails in seconds, naming itself
+        try_rewards(cfg.rollout.worker.reward, self.prompts[0], key="rollout.worker.reward",
+                    origin=f"{self.prompts.origin}, the first prompt", answer_column=cfg.data.answer_column)
         self.step, self.version = 0, 0
         if cfg.lora.rank and cfg.train.sft_steps:
             self._warm_base_for_lora()
@@ -161,6 +169,15 @@ class GRPORecipe:
             }
             self.debugger = Debugger(self.run_dir, self.rank, cfg.debug, max_staleness=cfg.rollout.max_staleness,
                                      context=context, append=latest is not None)
+
+    def _required_columns(self) -> dict[str, str]:
+        """The data columns this run reads besides the prompt, each with who reads it: the reward functions'
+        required arguments, and the warm start's answers."""
+        cfg = self.cfg
+        columns = {} if cfg.rollout.worker.environment else reward_columns(cfg.rollout.worker.reward)
+        if cfg.train.sft_steps:
+            columns[cfg.data.answer_column] = f"the supervised warm start (train.sft_steps={cfg.train.sft_steps})"
+        return columns
 
     def _warm_base_for_lora(self) -> None:
         """LoRA trains an adapter on a frozen base, so the supervised warm start trains the base first and
@@ -214,7 +231,7 @@ class GRPORecipe:
         for _ in range(cfg.sft_steps):
             idx = torch.randint(len(self.prompts), (cfg.sft_batch,), generator=gen).tolist()
             # prompt ids + answer tokens + eos; the loss masks the prompt by its tokens, not its characters
-            ids, labels = sft_batch([self.prompts[i] for i in idx], self.tokenizer)
+            ids, labels = sft_batch([self.prompts[i] for i in idx], self.tokenizer, self.cfg.data.answer_column)
             images = self._images([self.prompts[i].get("images", []) for i in idx])
             loss = self.model(input_ids=ids.to(self.device), labels=labels.to(self.device), **images).loss
             opt.zero_grad()
@@ -245,12 +262,11 @@ class GRPORecipe:
             engine=dataclasses.replace(cfg.rollout.worker.engine, model=self.model_dir, lora_rank=cfg.lora.rank,
                                        dtype=cfg.model.dtype, **({"quantization": "nf4"} if cfg.lora.qlora else {})),
         )
-        RewardSet.from_config(worker.reward).close()  # an unknown reward function fails here, not in every worker
         self.reward_weights = reward_weights(worker.reward)  # loss.multi_objective_aggregation: normalize_then_sum
         # the gate refuses token ids outside the model's vocabulary (a forged or broken worker's)
         gate = dataclasses.replace(cfg.rollout.gate, vocab_size=cfg.rollout.gate.vocab_size or self.policy.config.get_text_config().vocab_size)
         loader_cfg = dataclasses.replace(cfg.rollout, worker=worker, drop_remainder=True, gate=gate)
-        self.loader = RolloutLoader(self.prompts, loader_cfg, incarnation=self.incarnation)
+        self.loader = RolloutLoader(self.prompts, loader_cfg, incarnation=self.incarnation, config_key="rollout")
         # the one owner of the policy version; publishes the current one: workers start from the trainer's weights
         self.sync = PolicySync(self.model, self.loader, self.broadcaster, version=self.version,
                                mode="lora" if cfg.lora.rank else "full", bucket_bytes=cfg.weights.bucket_bytes)
@@ -391,6 +407,37 @@ class GRPORecipe:
             self.run_lock.release()
 
 
+    def abort(self, error: BaseException) -> None:
+        """A failed run: one line naming this rank and the error, then whatever was started is closed (the workers,
+        the weight channel and its shared memory, the run-directory lock), each step on its own so that none of them
+        hides the error (nothing is plotted or reported: the records may be empty)."""
+        rank = getattr(self, "rank", os.environ.get("RANK", "?"))
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        print(f"[rank {rank}] grpo failed: {type(error).__name__}: {first}", file=sys.stderr, flush=True)
+        for name, close in (("loader", lambda: self.loader.close()), ("debugger", lambda: self.debugger.close()),
+                            ("weight_sync", lambda: self.weight_sync.close()),
+                            ("consumed_file", lambda: self.consumed_file.close()),
+                            ("metrics_file", lambda: self.metrics_file.close()),
+                            ("run_lock", lambda: self.run_lock.release())):
+            if getattr(self, name, None) is None:
+                continue
+            try:
+                close()
+            except Exception as e:  # deliberate: the run's own error is the one to report; this one is secondary
+                print(f"[rank {rank}] (while closing {name} after the failure: {type(e).__name__}: {e})",
+                      file=sys.stderr)
+
+
+def _import_path(run_file: str | None) -> None:
+    """``module:function`` names (rewards, losses) are found in the working directory and the run file's directory
+    too, in this rank and in its local workers (which get the directory a reward module came from on their
+    ``PYTHONPATH``: asyncrl.rewards.preflight)."""
+    for directory in (os.getcwd(), str(Path(run_file).resolve().parent) if run_file else None):
+        if directory and directory not in sys.path:
+            sys.path.append(directory)
+
+
+@record  # torchrun's summary names the first failing rank with its exception (torch.distributed.elastic)
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML run file (recipes/configs/*.yaml)")
@@ -399,15 +446,23 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cfg = load_config(args.config, args.overrides)
+    if cfg.model.path is not None:  # asyncrl's own message, before anything loads it
+        check_model_dir(cfg.model.path, key="model.path")
+    _import_path(args.config)
+    os.environ.update(worker_env(cfg.rollout.worker.reward))  # before the prestart: the workers import them too
     RolloutLoader.prestart_workers(cfg.rollout)  # the local workers' imports overlap this rank's whole set-up
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     torch.set_num_threads(cfg.train.threads or trainer_threads(local_ranks, local_ranks * cfg.rollout.num_workers))
+    # torchrun ends the other ranks with SIGTERM when one fails: leave through abort() (workers, shared memory)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     recipe = GRPORecipe(cfg, resume=args.resume)
-    recipe.setup()
     try:
+        recipe.setup()
         recipe.train()
-    finally:
-        recipe.cleanup()
+    except BaseException as e:
+        recipe.abort(e)
+        raise
+    recipe.cleanup()
 
 
 if __name__ == "__main__":

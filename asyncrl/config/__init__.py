@@ -21,11 +21,12 @@ module                        classes                              run file sect
 ============================  ===================================  =========================================
 
 Configs are plain data so they travel as JSON to worker processes and load from files: :func:`from_dict` (unknown
-keys refused, renamed ones with their new name: :mod:`~.renames`), :func:`to_dict`, :func:`load_run_file` and
-:func:`apply_overrides` (dotted ``KEY=VALUE``, YAML values: the one override grammar).
+keys refused with the closest known one, :func:`check_keys`; renamed ones with their new name: :mod:`~.renames`),
+:func:`to_dict`, :func:`load_run_file` and :func:`apply_overrides` (dotted ``KEY=VALUE``, YAML values: the one
+override grammar).
 """
 
-from asyncrl.config._load import apply_overrides, from_dict, load_run_file, to_dict
+from asyncrl.config._load import apply_overrides, check_keys, from_dict, load_run_file, to_dict
 from asyncrl.config.data import DataConfig
 from asyncrl.config.debug import DebugConfig
 from asyncrl.config.engine import EngineConfig, FakeEngineConfig, HFEngineConfig, ModelEngineConfig, VllmEngineConfig
@@ -61,6 +62,7 @@ __all__ = [
     "WeightSyncConfig",
     "WorkerConfig",
     "apply_overrides",
+    "check_keys",
     "from_dict",
     "load_config",
     "load_run_file",

@@ -69,6 +69,19 @@ class RecipeConfig:
     """Fault injection for the project's tests (never set in a real run)."""
 
     def __post_init__(self) -> None:
+        if self.rollout.group_size < 2 and self.loss.fn is None:  # refused here, before any process starts
+            raise ValueError(
+                f"rollout.group_size={self.rollout.group_size}: GRPO's advantage is a rollout's reward minus its "
+                "group's mean, 0 in a group of one, so every step would train with loss and gradient 0. Set "
+                "rollout.group_size to 2 or more (8-16 is usual), or give a loss.fn of your own")
+        engine, rollout = self.rollout.worker.engine.type, self.rollout
+        if self.weights.type == "none" and engine in ("hf", "vllm") and rollout.max_staleness is not None and not (
+                rollout.frozen_workers):  # the recipe hands `weights` to the workers: they would never be updated
+            raise ValueError(
+                f"weights.type='none' with rollout.worker.engine.type={engine}: the workers would never get the "
+                f"trainer's weights, and once its policy version passes rollout.max_staleness={rollout.max_staleness} "
+                "every group they make would be dropped as stale. Use weights.type=shm (one machine; the default), "
+                "zmq, nccl or cuda_ipc")
         if self.lora.qlora:  # refused here, before any process starts, with the reason
             if self.train.parallel != "ddp":
                 raise ValueError(f"lora.qlora=true with train.parallel={self.train.parallel}: {FSDP2_REFUSAL}")

@@ -23,12 +23,14 @@ from workers.worker import RolloutWorker
 class FakeSender:
     def __init__(self):
         self.groups, self.failed, self.status, self.done = [], [], {}, False
+        self.culprits = []
 
     def send_group(self, lease, group):
         self.groups.append(group)
 
-    def send_failed(self, lease, error):
+    def send_failed(self, lease, error, culprit=None):
         self.failed.append((lease.lease_id, error))
+        self.culprits.append(culprit)
 
 
 class FakeWeights:
