@@ -38,6 +38,8 @@ import numpy as np
 import orjson
 from matplotlib.figure import Figure
 
+from asyncrl.debug._jsonl import last_per_step, read_jsonl
+
 __all__ = ["SECTIONS", "main", "write_report"]
 
 DPI = 90
@@ -75,39 +77,18 @@ class _Html(str):
 
 
 # -- reading ---------------------------------------------------------------------------------------------------------
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    lines = path.read_bytes().splitlines()
-    rows = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rows.append(orjson.loads(line))
-        except orjson.JSONDecodeError:
-            if i == len(lines) - 1:  # a live run may be in the middle of writing its last line
-                break
-            raise ValueError(f"{path}:{i + 1} is not a JSON line: {line[:80]!r}") from None
-    return rows
-
-
-def _last_per_step(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per step, the last written (a resumed run re-logs the steps after its checkpoint), by step."""
-    by_step = {r.get("step", i): r for i, r in enumerate(rows)}
-    return [by_step[s] for s in sorted(by_step)]
-
-
 def _load(run_dir: Path) -> _Run:
     metrics_path = run_dir / "metrics.jsonl"
     if not metrics_path.is_file():
         raise ValueError(f"no {metrics_path}: is {str(run_dir)!r} the run_dir of a recipes/grpo.py run?")
-    metrics = _last_per_step(_read_jsonl(metrics_path))
+    metrics = last_per_step(read_jsonl(metrics_path))
     if not metrics:
         raise ValueError(f"{metrics_path} is empty: the run has not logged a step yet")
     config_path = run_dir / "config.json"
     debug = run_dir / "debug"
     named = ((re.fullmatch(r"steps-rank(\d+)\.jsonl", p.name), p) for p in debug.glob("steps-rank*.jsonl"))
     ranked = {int(m[1]): p for m, p in named if m}
-    per_rank = {r: _last_per_step(_read_jsonl(ranked[r])) for r in sorted(ranked)}
+    per_rank = {r: last_per_step(read_jsonl(ranked[r])) for r in sorted(ranked)}
     anomalies_path = debug / "anomalies.jsonl"
     return _Run(
         run_dir=run_dir,
@@ -115,7 +96,7 @@ def _load(run_dir: Path) -> _Run:
         config=orjson.loads(config_path.read_bytes()) if config_path.is_file() else None,
         records=per_rank.get(0, []),
         record_files={r: (ranked[r], len(rows)) for r, rows in per_rank.items()},
-        anomalies=_read_jsonl(anomalies_path) if anomalies_path.is_file() else ([] if debug.is_dir() else None),
+        anomalies=read_jsonl(anomalies_path) if anomalies_path.is_file() else ([] if debug.is_dir() else None),
     )
 
 
