@@ -254,6 +254,9 @@ class MlflowTracker(Tracker):
 
     def __init__(self, *, uri: str, artifact_location: str | None, experiment: str, name: str,
                  config: dict[str, Any], run_id: str | None):
+        # log_table appends by downloading the table first, each time with a progress bar of its own that would cut
+        # into the training loop's; the user's setting wins
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
         from mlflow import MlflowClient
         from mlflow.entities import Param
 
