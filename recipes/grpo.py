@@ -3,7 +3,11 @@
     torchrun --nproc-per-node 2 recipes/grpo.py --config recipes/configs/tiny_cpu.yaml
     torchrun --nproc-per-node 2 recipes/grpo.py --config recipes/configs/tiny_cpu.yaml --resume
     torchrun --nproc-per-node 2 recipes/grpo.py --config recipes/configs/tiny_cpu.yaml rollout.max_staleness=0
-    torchrun --nproc-per-node 1 recipes/grpo.py --config recipes/configs/tiny_cpu.yaml lora.rank=8 train.lr=0.01
+    torchrun --nproc-per-node 1 recipes/grpo.py --config recipes/configs/tiny_cpu.yaml lora.rank=8 train.lr=0.003
+    torchrun --nproc-per-node 2 recipes/grpo.py --config recipes/configs/tiny_cpu.yaml report_to=[tensorboard]
+
+(LoRA: at ``train.lr=0.01`` the update guard rejects nearly every update of the adapter, whose B matrices start at
+zero; at 0.003 every update is accepted and the reward rises.)
 
 The run file's sections are ``asyncrl.config.RecipeConfig``'s (each component's own config class).
 One knob selects the regime: ``rollout.max_staleness`` = 0 (synchronous, on-policy), 1 (one-step
@@ -22,7 +26,13 @@ trained on), ``checkpoints/step-N`` (model + optimizer via torch.distributed.che
 RNG, config; staged, marked COMPLETE, renamed, then ``latest`` moves: see asyncrl.checkpoint.checkpointer), ``.lock``
 (held by rank 0 while the run lives, naming it: a second run on the directory is refused; asyncrl.checkpoint.run_dir),
 ``dumps/`` (rejected and anomalous batches, msgpack), ``report.png`` (reward and staleness over steps), ``debug/`` (the
-debugger's per-step record and anomalies), ``report/index.html``.
+debugger's per-step record and anomalies), ``report/index.html``, ``samples.jsonl`` (rollouts as text every
+``debug.samples_every`` steps and each anomaly's batch: asyncrl.debug.samples), ``summary.json`` (the end-of-run
+summary, also printed last: asyncrl.debug.summary), and the trackers ``report_to`` names (``tensorboard/``, ``wandb/``,
+``mlflow.db``; their run ids in ``trackers.json``, continued by ``--resume``: asyncrl.integrations.trackers).
+
+The progress bar counts the update guard's verdicts; a run in which every update of this launch was rejected exits
+non-zero after its summary.
 """
 
 from __future__ import annotations
