@@ -16,6 +16,7 @@ module                        classes                              run file sect
                               ``LossConfig``, ``GuardConfig``,     ``lora``, ``checkpoint``
                               ``LoraConfig``, ``CheckpointConfig``
 :mod:`~.debug`                ``DebugConfig``                      ``debug``
+:mod:`~.tracking`             ``TrackingConfig``                   ``tracking`` (and ``report_to``)
 :mod:`~.testing`              ``TestingConfig``, ``FaultConfig``   ``testing`` (the project's tests only)
 :mod:`~.recipe`               ``RecipeConfig``                     the whole run file of ``recipes/grpo.py``
 ============================  ===================================  =========================================
@@ -33,6 +34,7 @@ from asyncrl.config.engine import EngineConfig, FakeEngineConfig, HFEngineConfig
 from asyncrl.config.loader import GateConfig, LoaderConfig
 from asyncrl.config.recipe import RecipeConfig, load_config
 from asyncrl.config.testing import FaultConfig, TestingConfig
+from asyncrl.config.tracking import TrackingConfig
 from asyncrl.config.train import CheckpointConfig, GuardConfig, LoraConfig, LossConfig, ModelConfig, TrainConfig
 from asyncrl.config.transport import TransportConfig
 from asyncrl.config.weights import WeightSyncConfig
@@ -56,6 +58,7 @@ __all__ = [
     "RecipeConfig",
     "RewardConfig",
     "TestingConfig",
+    "TrackingConfig",
     "TrainConfig",
     "TransportConfig",
     "VllmEngineConfig",
