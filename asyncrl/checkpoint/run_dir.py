@@ -1,7 +1,7 @@
 """The run directory: held by one run at a time, its records continued from the resumed step.
 
 A run directory holds a run's checkpoints and its records (``metrics.jsonl``, ``consumed-rank{r}.jsonl``,
-``debug/steps-rank{r}.jsonl``, ``debug/anomalies.jsonl``). Two runs writing into one directory, or a
+``debug/steps-rank{r}.jsonl``, ``debug/anomalies.jsonl``, ``samples.jsonl``). Two runs writing into one directory, or a
 resumed run appending after lines of steps it rolled back, make every report and every exactly-once
 count wrong. Two rules keep it one run's history:
 
@@ -180,13 +180,13 @@ def hold_run_dir(run_dir: str | os.PathLike) -> RunDirLock | None:
 
 def record_files(run_dir: str | os.PathLike, rank: int, world_size: int | None = None) -> list[Path]:
     """The record files rank ``rank`` continues on resume: its consumed log and debugger steps; rank 0 also the
-    shared ``metrics.jsonl`` and ``debug/anomalies.jsonl`` and, given this run's ``world_size``, the per-rank files
-    of every rank at or above it (a run resumed at fewer ranks than it had: the steps those ranks logged after the
-    checkpoint were rolled back too)."""
+    shared ``metrics.jsonl``, ``debug/anomalies.jsonl`` and ``samples.jsonl`` and, given this run's ``world_size``,
+    the per-rank files of every rank at or above it (a run resumed at fewer ranks than it had: the steps those ranks
+    logged after the checkpoint were rolled back too)."""
     run_dir = Path(run_dir)
     paths = [run_dir / f"consumed-rank{rank}.jsonl", run_dir / "debug" / f"steps-rank{rank}.jsonl"]
     if rank == 0:
-        paths += [run_dir / "metrics.jsonl", run_dir / "debug" / "anomalies.jsonl"]
+        paths += [run_dir / "metrics.jsonl", run_dir / "debug" / "anomalies.jsonl", run_dir / "samples.jsonl"]
         if world_size is not None:
             paths += sorted(p for pattern in ("consumed-rank*.jsonl", "debug/steps-rank*.jsonl")
                             for p in run_dir.glob(pattern) if _rank_of(p) >= world_size)
