@@ -275,6 +275,24 @@ def vllm_inflight_pause(r: Result) -> tuple[str, str]:
     return table(["in flight", "what", "updates", "median (ms)", "p99 (ms)"], rows), head
 
 
+def elastic_resume(r: Result) -> tuple[str, str]:
+    metrics, ratios, c = r.data["metrics"], r.data["ratios"], r.data["config"]
+    rows = []
+    for case, m in metrics.items():
+        saved, resumed = case.split("->")
+        ratio = ratios.get(f"{case} / {resumed}->{resumed}", {})
+        rows.append([f"{saved} → {resumed}", rng(m["resume_s"], 2), f(m["model_s"]), f(m["loader_s"]),
+                     f(m["first_batch_s"], 3), x(ratio.get("resume_s")) if ratio else "baseline",
+                     x(ratio.get("loader_s")) if ratio else ""])
+    note = (f"{c['params']:,}-parameter model with its AdamW state, {c['prompts']:,} prompts, {c['buffered']} groups "
+            f"of {c['group_size']} × {c['response_tokens']} response tokens in each saved rank's pool (half trained); "
+            f"the slowest rank of each resume, medians over {c['repeats']} resumes.")
+    tbl = table(["saved → resumed ranks", "resume (s), median (min–max)", "model + optimizer (s)", "loader (s)",
+                 "first batch (s)", "resume ÷ same-size", "loader ÷ same-size"], rows)
+    head = " and ".join(f"{name.split(' / ')[0].replace('->', '→')} {x(v['resume_s'])}" for name, v in ratios.items())
+    return note + "\n\n" + tbl, f"{head} a same-size resume" if head else ""
+
+
 # -- the registry -------------------------------------------------------------------------------------------------------
 def _is(bench: str, **cond: Any) -> Callable[[Result], bool]:
     def pred(r: Result) -> bool:
@@ -353,6 +371,10 @@ BENCHMARKS = [
               "the guarantees under SIGKILLs of workers and trainer (inside saves too) and a rogue peer",
               "python -m benchmarks.chaos",
               [Series("Accounting", _is("chaos"), chaos)]),
+    Benchmark("elastic_resume", "Elastic resume", "benchmarks/elastic_resume.py",
+              "a resume at another number of trainer ranks (2 → 1, 1 → 2) against a resume at the same number",
+              "python -m benchmarks.elastic_resume",
+              [Series("Resume time", _is("elastic_resume"), elastic_resume)]),
     Benchmark("debugger_overhead", "Debugger cost", "benchmarks/debugger_overhead.py",
               "the RL debugger's per-step cost against a collate of the same batch",
               "python -m benchmarks.debugger_overhead",
