@@ -18,10 +18,11 @@ the pool raises, or ``LEASED/PENDING ──skip──► SKIPPED``: done for the
 The ledger is like ``DistributedSampler`` plus DataLoader worker sharding, but dynamic: the order of
 prompts is a deterministic function of ``(seed, epoch)``, this rank owns a shard of it
 (:mod:`asyncrl.pool.shards`; a resume at another number of ranks re-deals what is left of the epoch,
-:mod:`asyncrl.pool.reshard`), and prompts are handed to whichever worker asks, as leases with deadlines. A lease whose worker dies or
-misses its deadline goes back to the front of the queue; the first complete group to arrive for a
-prompt wins and any other copy is a counted duplicate. Consumption is recorded as a watermark over
-the shard's order plus the set of positions consumed above it, so the state stays small.
+:mod:`asyncrl.pool.reshard`), and prompts are handed to whichever worker asks, as leases with
+deadlines. A lease whose worker dies or misses its deadline goes back to the front of the queue; the
+first complete group to arrive for a prompt wins and any other copy is a counted duplicate.
+Consumption is recorded as a watermark over the shard's order plus the set of positions consumed
+above it, so the state stays small.
 
 The ledger is not thread-safe: :class:`~asyncrl.pool.buffer.RolloutPool` owns it and holds its lock.
 """

@@ -4,16 +4,18 @@ A checkpoint holds one pool state per rank. Resumed at the same number of ranks 
 loads state r. At another number, every rank reads the states of all M ranks and :func:`reshard` makes the state of
 its own rank of M′; every rank computes the same plan from the same inputs, nothing is exchanged::
 
-    M saved states ──merge──► one epoch: prompts trained (∪), skipped (∪), groups buffered or delivered and not yet
-                              trained (with their tensors), partial groups, failure counts, counters; one policy
-                              version and one timeline (the same on every rank, or the states are refused)
+    M saved states ──merge──► one epoch: prompts trained (∪), skipped (∪), groups buffered or delivered and
+                              not yet trained (with their tensors), partial groups, failure counts, counters;
+                              one policy version and one timeline (the same on every rank, or the states are
+                              refused)
                    ──deal───► the epoch's prompts over M′ ranks as a run at M′ from scratch deals them
                               (:func:`~asyncrl.pool.shards.all_shards`, balanced by tokens), keeping the prompts the
                               epoch started with (drop_remainder at M′ neither adds nor drops any until the next
                               epoch); then, only if needed, the last prompts left of the fullest shards move to the
                               emptiest until the prompts left differ by at most one between ranks
-                   ──route──► every buffered or delivered group and partial rollout to the rank that now owns its
-                              prompt (trained there, not regenerated); every other prompt left is generated there
+                   ──route──► every buffered or delivered group and partial rollout to the rank that now
+                              owns its prompt (trained there, not regenerated); every other prompt left is
+                              generated there
 
 What holds: each prompt of the epoch is trained once across the two parts (the trained ones are consumed on their
 new rank, the rest are left to exactly one rank, the groups not yet trained move with their prompt); the policy
