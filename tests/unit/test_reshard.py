@@ -192,19 +192,19 @@ def test_a_trained_prefix_resumes_on_the_shards_a_run_at_the_new_size_has_from_s
     exactly the from-scratch one at that point: the same shard (saved as the standard one), the same consumed
     watermark. This is what keeps a synchronous ordered run bit-exact across a resize."""
     lengths = [1 + (i * 5) % 7 for i in range(32)]
-    ranks = pools(world, 32, prompt_lengths=lengths)
-    for pool in ranks:
-        pool.ordered = True
-        for lease in pool.grant("w", 32, now=0.0):
-            deliver(pool, lease)
-        train(pool, 8 // world)
-    resumed = resume([p.state_dict() for p in ranks], new_world, 32, prompt_lengths=lengths)
-    scratch = pools(new_world, 32, prompt_lengths=lengths)
-    for pool in scratch:
-        pool.ordered = True
-        for lease in pool.grant("w", 32, now=0.0):
-            deliver(pool, lease)
-        train(pool, 8 // new_world)
+
+    def ordered_run(ranks: int) -> list[RolloutPool]:
+        """Every prompt generated, 8 groups of the epoch trained in order over ``ranks`` ranks."""
+        out = pools(ranks, 32, prompt_lengths=lengths)
+        for pool in out:
+            pool.ordered = True
+            for lease in pool.grant("w", 32, now=0.0):
+                deliver(pool, lease)
+            train(pool, 8 // ranks)
+        return out
+
+    resumed = resume([p.state_dict() for p in ordered_run(world)], new_world, 32, prompt_lengths=lengths)
+    scratch = ordered_run(new_world)
     for a, b in zip(resumed, scratch):
         assert a.ledger.order == b.ledger.order and not a.ledger.dealt
         assert (a.ledger.num_consumed, a.ledger.next_in_order()) == (b.ledger.num_consumed, b.ledger.next_in_order())
