@@ -419,7 +419,7 @@ class GRPORecipe:
             time.sleep(3600)
 
     # -- the end of the run ------------------------------------------------------------------------------------------
-    def _summarize(self, trained: bool) -> str | None:
+    def _summarize(self) -> str | None:
         """Rank 0: ``summary.json``, the trackers' summary and end; returns the text to print last (None when there is
         nothing to summarise: no step was logged)."""
         outputs = {f"tracker {name}": where for name, where in self.trackers.locations().items()}
@@ -436,7 +436,7 @@ class GRPORecipe:
         write_summary(self.run_dir, summary)
         text = format_summary(summary)
         self.trackers.log_summary(summary, text)
-        self.trackers.close(ok=trained and summary["verdict"] != "every update rejected")
+        self.trackers.close(ok=summary["verdict"] != "every update rejected")
         return text
 
     def every_update_rejected(self) -> bool:
@@ -444,7 +444,7 @@ class GRPORecipe:
         return self.guard_watch.rejected > 0 and self.guard_watch.accepted == 0
 
     # -- cleanup -----------------------------------------------------------------------------------------------------
-    def cleanup(self, trained: bool = True) -> None:
+    def cleanup(self) -> None:
         """Closes everything after a run that ended well; rank 0 writes the end-of-run summary (``summary.json``, the
         trackers), the report, and prints the summary last. A failed run leaves through :meth:`abort` instead."""
         self.loader.close()
@@ -454,12 +454,7 @@ class GRPORecipe:
         self.consumed_file.close()
         if self.metrics_file is not None:
             self.metrics_file.close()
-            try:
-                text = self._summarize(trained)
-            except Exception as e:  # a failed run's summary must not hide the run's own error, raised after this
-                if trained:
-                    raise
-                text = f"[rank 0] no run summary (the run failed): {e!r}"
+            text = self._summarize()
             if self.cfg.debug.report:
                 plot(self.run_dir)
                 from asyncrl.debug.report import write_report
@@ -503,13 +498,18 @@ def _import_path(run_file: str | None) -> None:
             sys.path.append(directory)
 
 
-@record  # torchrun's summary names the first failing rank with its exception (torch.distributed.elastic)
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The recipe's command line: ``--config FILE``, ``--resume``, then dotted overrides."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML run file (recipes/configs/*.yaml)")
     p.add_argument("--resume", action="store_true", help="continue from run_dir/checkpoints/latest if present")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.max_staleness=0 train.steps=50")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+@record  # torchrun's summary names the first failing rank with its exception (torch.distributed.elastic)
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cfg = load_config(args.config, args.overrides)
     if cfg.model.path is not None:  # asyncrl's own message, before anything loads it
