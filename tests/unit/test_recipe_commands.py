@@ -56,3 +56,12 @@ def test_each_command_of_the_docstring_is_accepted_by_the_recipe(argv, monkeypat
         resolve_report_to(cfg.report_to)
     except ValueError as e:  # the trackers are optional extras: not installed here is the extras' business
         pytest.skip(str(e))
+
+
+def test_make_run_is_the_docstring_s_first_command():
+    """``make run`` (what tests/integration/test_recipe_outputs.py launches, with fewer steps) is a documented one."""
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = re.search(r"^run:.*\n\t(.*)$", makefile, re.MULTILINE).group(1)
+    argv = shlex.split(recipe)
+    assert argv[argv.index("recipes/grpo.py") + 1:] == DOCSTRING[0] == ["--config", "recipes/configs/tiny_cpu.yaml"]
+    assert "--nproc-per-node" in argv and argv[argv.index("--nproc-per-node") + 1] == "2"
