@@ -156,6 +156,18 @@ def test_a_hub_id_passes_only_if_it_can_be_loaded(monkeypatch, model_dir):
         check_model_dir("no-org/no-such-model", key="model.path")
 
 
+def test_the_recipe_checks_its_model_path_before_anything_starts(monkeypatch, tmp_path):
+    from recipes import grpo
+
+    def prestart(*args, **kwargs):
+        raise AssertionError("the workers were prestarted before the model path was checked")
+
+    monkeypatch.setattr(grpo.RolloutLoader, "prestart_workers", prestart)
+    monkeypatch.setattr(grpo, "GRPORecipe", prestart)
+    with pytest.raises(ModelDirError, match=r"model\.path='.*nowhere': no such directory"):
+        grpo.main(["--config", "recipes/configs/tiny_cpu.yaml", f"model.path={tmp_path / 'nowhere'}"])
+
+
 def test_a_batch_larger_than_the_shard_is_refused(tripwires):
     with pytest.raises(ValueError, match=r"LoaderConfig\.batch_size=8 groups is more than this rank's shard of the "
                                          r"prompts: 3 \(6 prompts over 2 ranks\).*at most 3 groups"):
