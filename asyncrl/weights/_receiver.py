@@ -106,9 +106,26 @@ class StagedReceiver(WeightReceiver):
         self._staging.commit(version)
         self._on_commit(version)
 
+    def adopt(self, version: int, incarnation: str) -> None:
+        """The engine runs ``version`` of ``incarnation``, applied from another receiver (see
+        :meth:`~asyncrl.weights._staging.StagingArea.adopt`): nothing older is staged or fetched from here on."""
+        self._staging.adopt(version, incarnation)
+
+    def listen(self, callback: Callable[[], None]) -> None:
+        """Calls ``callback()`` after every version this receiver stages (in its I/O thread, no lock held)."""
+        self._staging.listen(callback)
+
+    def newest(self) -> tuple[int | None, str]:
+        """The newest version staged or committed here and its incarnation (what a transfer must beat)."""
+        return self._staging.newest(), self._staging.newest_incarnation()
+
     @property
     def committed_version(self) -> int | None:
         return self._staging.committed_version
+
+    @property
+    def committed_incarnation(self) -> str:
+        return self._staging.committed_incarnation
 
     def stats(self) -> dict[str, Any]:
         out = self._staging.stats()
