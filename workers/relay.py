@@ -96,6 +96,9 @@ class RelayLauncher(LocalWorkerLauncher):
         env: extra environment variables for the relay process.
     """
 
+    module = "workers.relay"
+    """What each relay process runs (``python -m``)."""
+
     def __init__(self, cfg: RelayConfig, transport: TransportConfig, *, relay_id: str, server_key: str | None = None,
                  env: dict[str, str] | None = None):
         super().__init__([], 1, WorkerConfig(), transport, name=relay_id, max_restarts=cfg.max_restarts,
@@ -103,7 +106,7 @@ class RelayLauncher(LocalWorkerLauncher):
         self.cfg, self.relay_id, self.server_key = cfg, relay_id, server_key
 
     def _argv(self, i: int) -> list[str]:
-        argv = [sys.executable, "-m", "workers.relay", "--relay-id", self.relay_id, "--parent-pid", str(os.getpid()),
+        argv = [sys.executable, "-m", self.module, "--relay-id", self.relay_id, "--parent-pid", str(os.getpid()),
                 "--config-json", dumps_json({"relay": to_dict(self.cfg), "transport": to_dict(self.transport)}).decode()]
         return argv + (["--server-key", self.server_key] if self.server_key else [])
 

@@ -89,12 +89,17 @@ class StagedReceiver(WeightReceiver):
             raise ValueError(f"receiver {self.receiver_id}: attach_shadow() after start()")
         self._shadow = shadow
 
-    def start(self) -> None:
+    def start(self, *, wait: bool = True) -> None:
+        """Starts the I/O thread and (``wait``) blocks until the backend is ready to serve, else raises.
+
+        ``wait=False``: returns at once; a broadcaster that never answers shows only in :meth:`stats` (a receiver
+        that must not block its caller, e.g. a relayed worker's fallback opened while the relay is down)."""
         if self._io.started:
             return
         self._check_start()
         self._io.start(self._run)
-        self._wait_started()
+        if wait:
+            self._wait_started()
 
     def poll(self) -> WeightUpdate | None:
         return self._staging.poll()

@@ -25,7 +25,7 @@ already handed to the engine stays valid: the receiver it came from is closed on
 Who blocks on what: the worker's thread blocks only in :meth:`RelayedWeightReceiver.wait`, on this receiver's
 condition (notified by either receiver's staging and by path changes). A watch thread looks at the relay every
 ``CHECK_S`` (a lock probe and a stat: :func:`asyncrl.weights._relay_dir.look`) and opens or closes the receivers;
-opening the direct one blocks that thread until the broadcaster answers (its ``timeout_s``).
+the direct one is opened without waiting for the broadcaster's answer (except at start-up, in :meth:`start`).
 """
 
 from __future__ import annotations
@@ -303,8 +303,8 @@ class RelayedWeightReceiver(WeightReceiver):
     def _open_direct(self, now: float, raise_errors: bool) -> None:
         r = self._make_direct()  # type: ignore[misc]
         self._prepare(r)
-        try:
-            r.start()  # blocks until the broadcaster answers (its timeout_s)
+        try:  # at start-up, a broadcaster that does not answer is an error; later, the fallback never blocks the watch
+            r.start(wait=raise_errors)
         except WeightSyncError as e:
             r.close()
             if raise_errors:
