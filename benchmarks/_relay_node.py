@@ -1,14 +1,16 @@
-"""The workers of one simulated node for test_weight_relay: one process, one receiver per worker id.
+"""The workers of one simulated node (benchmarks/weight_fanout.py, tests/integration/test_weight_relay.py).
 
-Each worker opens its weight receiver as ``run_worker`` does (:func:`asyncrl.weights.start.open_weight_receiver`
-with ``weights.relay``), and loops like a worker's safe point: wait for a newer version, copy it into its own
+One process, one weight receiver per worker id, opened as ``run_worker`` opens it
+(:func:`asyncrl.weights.start.open_weight_receiver`): behind the node's relay with ``--relay DIR``, else straight
+from the broadcaster. Each worker loops like a worker's safe point: wait for a newer version, copy it into its own
 tensors (the engine's load), commit. One JSON line per event on stdout:
 
-* ``committed`` {worker, version, via: relay | direct, crc: crc32 of what the worker now holds}
-* ``path`` {worker, path}: relay, direct, both (whenever it changes)
+* ``committed`` {worker, version, via: relay | direct, t: time.monotonic() after the commit, crc (``--crc``: crc32 of
+  what the worker now holds)}
+* ``path`` {worker, path}: relay, direct, both (whenever it changes; behind a relay)
 * ``relay_bytes`` {worker, bytes}: bytes its relay receiver verified so far (while they grow)
 
-    python _relay_workers_driver.py --relay DIR --address ENDPOINT --ids w0,w1 [--delta]
+    python -m benchmarks._relay_node --address ENDPOINT --ids w0,w1 [--relay DIR] [--delta] [--crc]
 """
 
 from __future__ import annotations
@@ -45,25 +47,32 @@ def crc(tensors: dict[str, torch.Tensor]) -> int:
     return value
 
 
-def serve(receiver, worker: str, stop: threading.Event) -> None:
+def serve(receiver, worker: str, stop: threading.Event, with_crc: bool) -> None:
     held: dict[str, torch.Tensor] = {}
     while not stop.is_set():
         update = receiver.wait(-(2**62), timeout=0.2)
         if update is None:
             continue
-        held = {name: t.clone() for name, t in update.tensors.items()}  # the engine's load, out of the views
-        before = receiver.stats()["versions_via_relay"]
+        if held.keys() == update.tensors.keys():  # the engine's load, out of the views into its own tensors
+            for name, t in update.tensors.items():
+                held[name].copy_(t)
+        else:
+            held = {name: t.clone() for name, t in update.tensors.items()}
+        before = receiver.stats().get("versions_via_relay", 0)
         receiver.commit(update.version)
-        via = "relay" if receiver.stats()["versions_via_relay"] > before else "direct"
-        emit(event="committed", worker=worker, version=update.version, via=via, crc=crc(held))
+        t = time.monotonic()
+        via = "relay" if receiver.stats().get("versions_via_relay", 0) > before else "direct"
+        emit(event="committed", worker=worker, version=update.version, via=via, t=t,
+             **({"crc": crc(held)} if with_crc else {}))
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--relay", required=True)
+    p.add_argument("--relay", help="the node's relay directory (default: no relay, straight from the broadcaster)")
     p.add_argument("--address", required=True)
     p.add_argument("--ids", required=True)
     p.add_argument("--delta", action="store_true")
+    p.add_argument("--crc", action="store_true", help="report a crc32 of what each worker holds after each commit")
     args = p.parse_args()
     faulthandler.register(signal.SIGUSR1)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
@@ -74,13 +83,15 @@ def main() -> None:
     threads = []
     for w, r in receivers.items():
         r.start()
-        threads.append(threading.Thread(target=serve, args=(r, w, stop), daemon=True))
+        threads.append(threading.Thread(target=serve, args=(r, w, stop, args.crc), daemon=True))
         threads[-1].start()
     emit(event="started")
     paths = {w: None for w in receivers}
     progress = {w: 0 for w in receivers}
     while not stop.wait(0.02):
         for w, r in receivers.items():
+            if args.relay is None:
+                continue
             s = r.stats()
             if s["path"] != paths[w]:
                 paths[w] = s["path"]
