@@ -170,7 +170,10 @@ def weight_fanout(r: Result) -> tuple[str, str]:
                          rng(e["nodes_hold_s"], 3) if "nodes_hold_s" in e else "–", f(e["cpu_s"]["median"])])
     note = (f"A {c['mb']} MiB model (float32) in {c['bucket_mb']} MiB buckets, zmq over loopback TCP, "
             f"{c['workers_per_node']} worker processes per simulated node, median (min–max) of {c['repeats']} updates "
-            "after 2 warm-up ones. Every node shares this machine's cores.")
+            "after 2 warm-up ones. Every node shares this machine's cores")
+    loads = [s["loadavg_1m"] for e in res.values() for n in e.values() for s in n.get("samples", [])
+             if "loadavg_1m" in s]
+    note += f" (1-minute load average {min(loads):.1f}–{max(loads):.1f} during the run)." if loads else "."
     tbl = table(["nodes", "path", "workers", "MB per update", "÷ model", "every worker holds it (s)", "÷ 1 node",
                  "every node holds it (s)", "CPU s"], rows)
     t = ratios.get("relay_time_most_over_one")
