@@ -17,7 +17,6 @@ import sys
 import tempfile
 import threading
 import time
-import zlib
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ import torch
 from asyncrl.config import RelayConfig, TransportConfig
 from asyncrl.weights import ZmqWeightBroadcaster
 from asyncrl.weights import _relay_dir as rd
-from asyncrl.weights._staging import tensor_bytes
+from benchmarks._relay_node import crc
 from workers.relay import RelayLauncher
 
 pytestmark = pytest.mark.integration
@@ -41,14 +40,6 @@ def model(version: int, mb: int = 4) -> dict[str, torch.Tensor]:
     """``mb`` MiB of float32 in 64 KiB tensors (many buckets of 1 MiB), different for every version."""
     g = torch.Generator().manual_seed(version)
     return {f"layers.{i}.weight": torch.randn(128, 128, generator=g) for i in range(mb * 16)}
-
-
-def crc(tensors: dict[str, torch.Tensor]) -> int:
-    value = 0
-    for name in sorted(tensors):
-        value = zlib.crc32(name.encode(), value)
-        value = zlib.crc32(tensor_bytes(tensors[name]), value)
-    return value
 
 
 def nbytes(tensors: dict[str, torch.Tensor]) -> int:

@@ -29,18 +29,9 @@ from asyncrl.weights._staging import StagingArea, plan_publish
 from asyncrl.weights.base import WeightUpdate, plan_buckets
 from asyncrl.weights.relayed import RelayedWeightReceiver
 from asyncrl.weights.shm import ShmWeightBroadcaster, ShmWeightReceiver
+from tests.weights_utils import KB, is_version, weights
 
 WAIT_S = 20.0
-KB = 1024
-
-
-def weights(version: int) -> dict[str, torch.Tensor]:
-    return {f"w{i}": torch.full((4 * KB,), float(version * 100 + i)) for i in range(8)}  # 8 buckets of 16 KiB
-
-
-def is_version(tensors: dict[str, torch.Tensor], version: int) -> bool:
-    want = weights(version)
-    return list(tensors) == list(want) and all(torch.equal(tensors[k], want[k]) for k in want)
 
 
 def eventually(check: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
