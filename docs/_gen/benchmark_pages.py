@@ -157,6 +157,40 @@ def weight_delta_lora(r: Result) -> tuple[str, str]:
     return table(["dtype", "rank", "lr", "steps", "changed fraction", "full bytes", "delta bytes", "ratio"], rows), ""
 
 
+def weight_fanout(r: Result) -> tuple[str, str]:
+    c, res, ratios = r.data["config"], r.data["results"], r.data.get("ratios", {})
+    rows = []
+    for path in ("relay", "direct"):
+        entries = res.get(path) or {}
+        one = entries[min(entries, key=int)] if entries else None
+        for n, e in sorted(entries.items(), key=lambda kv: int(kv[0])):
+            rows.append([f(int(n)), f"`{path}`", f(e["workers"]), f(e["bytes_per_update"] / 1e6, 1),
+                         x(e["bytes_over_size"]), rng(e["latency_s"], 3),
+                         x(e["latency_s"]["median"] / one["latency_s"]["median"]) if one else "–",
+                         rng(e["nodes_hold_s"], 3) if "nodes_hold_s" in e else "–", f(e["cpu_s"]["median"])])
+    note = (f"A {c['mb']} MiB model (float32) in {c['bucket_mb']} MiB buckets, zmq over loopback TCP, "
+            f"{c['workers_per_node']} worker processes per simulated node, median (min–max) of {c['repeats']} updates "
+            "after 2 warm-up ones. Every node shares this machine's cores")
+    loads = [s["loadavg_1m"] for e in res.values() for n in e.values() for s in n.get("samples", [])
+             if "loadavg_1m" in s]
+    note += f" (1-minute load average {min(loads):.1f}–{max(loads):.1f} during the run)." if loads else "."
+    tbl = table(["nodes", "path", "workers", "MB per update", "÷ model", "every worker holds it (s)", "÷ 1 node",
+                 "every node holds it (s)", "CPU s"], rows)
+    t = ratios.get("relay_time_most_over_one")
+    tail = ""
+    if t:
+        tail = (f"\n\nWith the relay: {t['nodes'][1]} nodes take {x(t['value'])} the time of {t['nodes'][0]} "
+                f"(target ≤ {t['target']}×: {'met' if t['met'] else 'missed'}).")
+    per_node = ratios.get("relay_bytes_over_nodes_x_size", {})
+    head = ""
+    if per_node:
+        worst = max(per_node.values())
+        head = f"{x(worst)} nodes × model bytes per update with the relay"
+        if t:
+            head += f"; {t['nodes'][1]} nodes take {x(t['value'])} one node's time"
+    return note + "\n\n" + tbl + tail, head
+
+
 def _freshness_points(r: Result) -> tuple[str, str]:
     rows = []
     for p in r.data["points"]:
@@ -293,6 +327,29 @@ def elastic_resume(r: Result) -> tuple[str, str]:
     return note + "\n\n" + tbl, f"{head} a same-size resume" if head else ""
 
 
+def recipe_learning(r: Result) -> tuple[str, str]:
+    c = r.data["config"]
+    rows = []
+    for cand in r.data["candidates"]:
+        runs = cand["runs"]
+        rows.append([f"`{cand['overrides']}`" if cand["overrides"] else "(the run file)",
+                     " / ".join(f"{run['reward_first']:.3f} → {run['reward_last']:.3f}" for run in runs),
+                     f(cand["reward_change_mean"], 3), f(cand["reward_change_min"], 3),
+                     " / ".join(f"{run['rejected']}/{run['steps']}" for run in runs),
+                     " / ".join(str(run["exit_code"]) for run in runs)])
+    window = r.data["candidates"][0]["runs"][0]["reward_window"]
+    note = (f"`{c['run_file']}`, {c['nproc']} trainer rank(s), {c['runs']} runs a command (`train.seed` "
+            f"{c.get('first_seed', 0)}…{c.get('first_seed', 0) + c['runs'] - 1}); reward averaged over the first and "
+            f"the last {window} steps.")
+    tbl = table(["overrides", "reward first → last, per run", "change, mean", "change, min", "rejected updates",
+                 "exit status"], rows)
+    best = max(r.data["candidates"][1:] or r.data["candidates"],
+               key=lambda cand: (cand["reward_change_min"] > 0, -cand["rejected_fraction_mean"], cand["reward_change_mean"]))
+    head = (f"`{best['overrides']}`: reward {best['reward_change_mean']:+.3f} on average, "
+            f"{f(best['rejected_fraction_mean'] * 100, 0)}% of updates rejected")
+    return note + "\n\n" + tbl, head
+
+
 # -- the registry -------------------------------------------------------------------------------------------------------
 def _is(bench: str, **cond: Any) -> Callable[[Result], bool]:
     def pred(r: Result) -> bool:
@@ -346,6 +403,11 @@ BENCHMARKS = [
               "python -m benchmarks.weight_delta",
               [Series("Full model", _is("weight_delta", has="zmq"), weight_delta),
                Series("LoRA adapter", _is("weight_delta", has="lora"), weight_delta_lora)]),
+    Benchmark("weight_fanout", "Weight fan-out", "benchmarks/weight_fanout.py",
+              "broadcaster bytes per update and time until every worker holds it, per node count, with and without a "
+              "per-node relay",
+              "python -m benchmarks.weight_fanout",
+              [Series("Per-node relay against direct", _is("weight_fanout"), weight_fanout)]),
     Benchmark("freshness", "Freshness vs throughput", "benchmarks/freshness.py",
               "trained rollouts/s, idle time and staleness per `max_staleness` and worker count, against min(G, T)",
               "python -m benchmarks.freshness measured --staleness 0,1,2,4 --workers 1,2",
@@ -387,6 +449,11 @@ BENCHMARKS = [
               "how long an update pauses vLLM's in-flight requests (keep, abort, idle)",
               "python -m benchmarks.vllm_inflight_pause",
               [Series("Pause per update", _is("vllm_inflight_pause"), vllm_inflight_pause)]),
+    Benchmark("recipe_learning", "Does a recipe command learn?", "benchmarks/recipe_learning.py",
+              "reward over the first and the last window of a recipe command's run, and the guard's verdicts, over a few "
+              "seeds, against a baseline command",
+              "python -m benchmarks.recipe_learning --runs 3 --candidate '' --candidate 'lora.rank=8 train.lr=0.003'",
+              [Series("Reward first vs last window", _is("recipe_learning"), recipe_learning)]),
     Benchmark("gpu", "GPU checks", "benchmarks/gpu_checks.sh",
               "the GPU checks in one run: unit tests with CUDA, the recipe on a GPU, data plane and weight sync on a GPU host",
               "bash benchmarks/gpu_checks.sh",
