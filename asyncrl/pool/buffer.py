@@ -242,6 +242,11 @@ class RolloutPool:
         with self.cond:
             self.ledger.wake(now)  # failed prompts whose re-issue backoff has passed
             withheld = None if self.active else "no_prompt"
+            # ordered delivery yields nothing until the next prompt in order arrives: leasing it is always
+            # allowed, or groups buffered behind it (a stale one dropped and re-queued) could fill the window for good
+            head = self.ledger.next_in_order() if self.ordered else None
+            if head is not None:
+                self.ledger.reissue_first(head)
             while self.active and len(out) < want:
                 index = self.ledger.peek()
                 if index is None:
@@ -249,8 +254,8 @@ class RolloutPool:
                     break
                 # a prompt with part of its group here already counts as in flight: finishing it is
                 # always allowed, or orphaned partial groups could fill the capacity for good
-                if index not in self._partial and (in_flight := self.groups_in_flight) >= min(self.capacity,
-                                                                                              self.fresh_budget):
+                if index not in self._partial and index != head and (
+                        in_flight := self.groups_in_flight) >= min(self.capacity, self.fresh_budget):
                     withheld = "capacity" if in_flight >= self.capacity else "window"
                     break
                 if self.max_buffer_bytes is not None and self.buffered_bytes >= self.max_buffer_bytes:

@@ -249,6 +249,13 @@ class PromptLedger:
             self._leases_of[lease.prompt_index].discard(lease_id)
         return lease
 
+    def reissue_first(self, prompt_index: int) -> None:
+        """Puts ``prompt_index`` at the front of the re-issue queue if it is queued there (ordered delivery waits for
+        it); a prompt not queued for re-issue (backing off, parked, not pending) is left where it is."""
+        if prompt_index in self._retry and self._retry[0] != prompt_index:
+            self._retry.remove(prompt_index)
+            self._retry.appendleft(prompt_index)
+
     def _requeue(self, idx: int, reason: str) -> None:
         self.counters[f"requeued_{reason}"] += 1
         self._retry.append(idx)

@@ -912,3 +912,43 @@ def test_rollouts_ahead_of_a_resumed_trainer_name_the_resume_not_the_call_order(
     assert "before it resumed from an older checkpoint" in caplog.text
     assert "incarnation=loader.incarnation" in caplog.text
     assert "call set_policy_version(v) before publishing" not in caplog.text
+
+
+def test_ordered_delivery_leases_the_prompt_it_waits_for_even_with_the_window_full():
+    """Resumed with the held batch's groups re-delivered and found stale, a later prompt queued for re-issue ahead of
+    them, and a fresh later group buffered: the stale prompt, next in order, must be leased again although the window
+    is full, or the ordered consumer waits for it for ever while the pool withholds every credit ("window")."""
+
+    def fresh() -> RolloutPool:
+        ledger = PromptLedger(6, seed=0, shuffle=False)
+        return RolloutPool(ledger, group_size=2, capacity=8, max_staleness=1, groups_per_step=2, prefetch=1,
+                           ordered=True, incarnation="run-a")
+
+    def arrive(pool: RolloutPool, lease, version: int) -> None:
+        pool.add_rollouts(make_group(0, lease.prompt_index, 2, version).rollouts, lease_id=lease.lease_id)
+
+    before = fresh()
+    before.start_epoch(0)
+    first = before.grant("w", 2, now=0.0)
+    for lease in first:
+        arrive(before, lease, 0)
+    assert [before.take(timeout=0).prompt_index for _ in range(2)] == [0, 1]  # delivered, held, not trained
+    before.set_policy_version(1)
+    later = before.grant("w", 2, now=0.0)
+    assert [lease.prompt_index for lease in later] == [2, 3]
+    arrive(before, later[1], 1)  # prompt 3's group is here; prompt 2 is still leased at the save
+    pool = fresh()
+    pool.load_state_dict(before.state_dict())
+    assert pool.take(timeout=0) is None  # 0 and 1 were generated at version 0: stale once re-delivered at 1
+    taken = []
+    for _ in range(20):
+        for lease in pool.grant("w", 2, now=0.0):
+            arrive(pool, lease, pool.policy_version)
+        g = pool.take(timeout=0)
+        if g is None:
+            continue
+        pool.commit(g.epoch, [g.prompt_index])
+        taken.append(g.prompt_index)
+        if len(taken) == 6:
+            break
+    assert taken == [0, 1, 2, 3, 4, 5], f"ordered delivery stalled after {taken} (withheld: {pool.withheld})"
