@@ -5,14 +5,20 @@ serves (M:N). Frames are :mod:`asyncrl.codec` messages (msgpack header + zero-co
 
 Who blocks on what:
 
-* Pool side, :class:`ZmqRolloutReceiver`: one I/O thread owns the ROUTER. It polls with a short
-  timeout (``TICK_S``), decodes and checks every message (a bad one is counted and dropped, the
-  peer stays), feeds groups to the :class:`~asyncrl.pool.buffer.RolloutPool`, and on every tick grants
-  leases to workers with free credits, expires overdue leases, declares silent workers dead (their
-  leases go back to the ledger) and sends heartbeats. The trainer thread never touches the socket.
+* Pool side, :class:`ZmqRolloutReceiver`: one I/O thread owns the ROUTER. It blocks in a poll until a
+  message, a wake-up from the trainer's thread or its next timer; decodes and checks every message (a bad
+  one is counted and dropped, the peer stays) and feeds groups to the :class:`~asyncrl.pool.buffer.RolloutPool`.
+  Grants follow events, not a tick: after the messages of one wake-up that can free or claim credits (a
+  group, a failure, a HELLO, a BYE), after the trainer's thread changed what the pool may lease (a group
+  taken, a version set, a commit, a reset: the pool's ``on_change`` wakes this thread) and after leases
+  expire, one grant pass (:meth:`asyncrl.pool.admission.Admission.grants`) looks at the workers concerned.
+  Timers, twice per ``heartbeat_s``: expire overdue leases, declare silent workers dead (their leases go
+  back to the ledger), send heartbeats once per ``heartbeat_s``. Idle, it wakes for those and for the
+  workers' heartbeats only. The trainer thread never touches the socket.
 * Worker side, :class:`ZmqRolloutSender`: one I/O thread owns the DEALERs and handles handshake,
   heartbeats, leases and cancels; the worker's main thread blocks only in :meth:`take_leases` and
-  hands finished groups to the I/O thread over an ``inproc`` PUSH/PULL pair (zero-copy).
+  hands finished groups to the I/O thread over an ``inproc`` PUSH/PULL pair (zero-copy), which wakes it.
+  Idle, it wakes :data:`SENDER_WAKES_PER_HEARTBEAT` times per ``heartbeat_s`` (its timers), not more.
 
 Credit-based flow control: a worker announces ``slots`` in HELLO (capped at ``gate.max_slots_per_peer``);
 the pool keeps at most that many leases outstanding per worker and at most ``capacity`` groups in
@@ -44,6 +50,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import socket as pysocket
 import threading
@@ -62,7 +69,7 @@ from asyncrl._zmq.curve import (
     start_authenticator,
     write_curve_key_file,
 )
-from asyncrl._zmq.io import IOThread, drain, is_loopback_bind
+from asyncrl._zmq.io import IOThread, Waker, drain, is_loopback_bind
 from asyncrl.codec import DecodeError, decode, encode
 from asyncrl.config import GateConfig, TransportConfig
 from asyncrl.pool.admission import GREETED_PER_PEER, Admission, Peer
@@ -84,8 +91,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-TICK_S = 0.005
-HOUSEKEEPING_S = 0.05
+HOUSEKEEPING_PER_HEARTBEAT = 2
+"""The pool expires leases, reaps silent workers and re-reads every worker's leases this often per ``heartbeat_s``
+(also at most every half ``lease_timeout_s``)."""
+SENDER_WAKES_PER_HEARTBEAT = 4
+"""An idle worker's I/O thread wakes this often per ``heartbeat_s`` for its timers (heartbeat, HELLO retries, a silent
+pool); messages and the main thread's groups wake it at once."""
 SHUTDOWN_LINGER_MS = 1000
 MAX_DRAIN = 256
 REGREET_AFTER_HEARTBEATS = 2.5
@@ -171,6 +182,9 @@ class ZmqRolloutReceiver(RolloutReceiver):
                                    peer_timeout_s=config.peer_timeout_s, now=time.monotonic())
         """Who is served and how many leases each gets (the pool's policy; this end only moves the messages)."""
         self._unroutable: set[bytes] = set()  # identities whose last send failed as unroutable (I/O thread)
+        self._waker = Waker(self._ctx, f"receiver-rank{rank}", coalesce=True)
+        """Wakes the I/O thread: the pool's ``on_change`` (the trainer's thread), a cancel, close."""
+        self._dirty = True  # something may let a grant pass lease more (I/O thread)
 
     # -- public --------------------------------------------------------------------------------
     def start(self) -> str:
@@ -191,17 +205,19 @@ class ZmqRolloutReceiver(RolloutReceiver):
 
     def cancel_all(self) -> None:
         self._cancel.set()
+        self._waker.wake()
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             out: dict[str, Any] = dict(self._counters)
             out["recent_errors"] = list(self._recent_errors)
-        out["workers"] = self.admission.workers()
+        out["workers"] = self.admission.workers(time.monotonic())
         return out
 
     def close(self, shutdown_workers: bool = True) -> None:
         self._shutdown_workers = shutdown_workers
-        self._io.close()  # joins the I/O thread, which closes its socket; then the context
+        # joins the I/O thread (woken: it waits for events, not a tick), which closes its sockets; then the context
+        self._io.close(before_join=self._waker.wake if self._io.started else None)
 
     # -- I/O thread ----------------------------------------------------------------------------
     def _count(self, key: str, n: int = 1) -> None:
@@ -251,12 +267,20 @@ class ZmqRolloutReceiver(RolloutReceiver):
                 auth.stop()
             return
         self._ready.set()
+        wake = None
         try:
-            self._loop(sock, monitor)
+            wake = self._waker.pull()
+            self.pool.on_change = self._waker.wake
+            self._loop(sock, monitor, wake)
         except BaseException as e:  # thread boundary: the trainer's next() re-raises it
             logger.exception("rank %d: rollout receiver died", self.rank)
             self.pool.fail(e)
         finally:
+            if self.pool.on_change == self._waker.wake:
+                self.pool.on_change = None
+            self._waker.close()  # here, under its lock: its sending end must be closed before the context's term
+            if wake is not None:
+                wake.close(linger=0)
             said_goodbye = self._say_shutdown(sock) if self._shutdown_workers else False
             sock.disable_monitor()
             monitor.close(linger=0)
@@ -296,13 +320,22 @@ class ZmqRolloutReceiver(RolloutReceiver):
         self._count("shutdown_unacknowledged", len(waiting))
         return bool(told)
 
-    def _loop(self, sock: zmq.Socket, monitor: zmq.Socket) -> None:
+    def _loop(self, sock: zmq.Socket, monitor: zmq.Socket, wake: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
-        next_heartbeat = next_housekeeping = 0.0
+        poller.register(wake, zmq.POLLIN)
+        housekeeping_s = min(self.config.heartbeat_s, self.pool.ledger.lease_timeout_s) / HOUSEKEEPING_PER_HEARTBEAT
+        now = time.monotonic()
+        next_heartbeat, next_housekeeping = now, now + housekeeping_s
         while not self._stop.is_set():
-            events = dict(poller.poll(int(TICK_S * 1000)))
+            timer = min(next_heartbeat, next_housekeeping)
+            if self.admission.blocked == "no_prompt" and (retry := self.pool.next_wake()) is not None:
+                timer = min(timer, retry)  # a failed prompt's backoff ends: it can be leased again
+            events = dict(poller.poll(0 if self._dirty else max(0, math.ceil((timer - now) * 1000))))
+            if wake in events:  # the trainer's side changed what the pool may lease (or a cancel, or close)
+                self._waker.drain(wake)
+                self._dirty = True
             if sock in events:
                 drain(sock, lambda frames: self._handle(sock, frames), MAX_DRAIN)
             if monitor in events:
@@ -313,17 +346,32 @@ class ZmqRolloutReceiver(RolloutReceiver):
                 # only leases older than the pool's timeline: ones granted since the reset stay valid
                 for identity in list(self.admission.peers):
                     self._send(sock, identity, P.CANCEL, {"min_lease_id": self.pool.min_lease_id})
-            if now >= next_housekeeping:  # deadlines are seconds; no need to scan every pass
-                next_housekeeping = now + HOUSEKEEPING_S
-                self._count("leases_expired", len(self.pool.expire(now)))
-                self._reap(now)
+                self.admission.touch_all()  # the reset took every lease back
+                self._dirty = True
+            if now >= next_housekeeping:  # deadlines are seconds; no need to scan more often
+                next_housekeeping = now + housekeeping_s
+                self._housekeeping(now)
             if now >= next_heartbeat:
                 next_heartbeat = now + self.config.heartbeat_s
                 for identity in list(self.admission.peers):
                     self._send(sock, identity, P.HEARTBEAT, {"policy_version": self.pool.policy_version,
                                                              "incarnation": self.pool.incarnation})
-            self._grant(sock, now)
+            if self._dirty or timer <= now:
+                self._dirty = False
+                self._grant(sock, now)
             self._drop_unroutable()
+
+    def _housekeeping(self, now: float) -> None:
+        """Expires overdue leases, drops silent workers and re-reads every worker's leases from the pool (leases the
+        pool cancelled on its own: a duplicate group's, a skipped prompt's)."""
+        expired = self.pool.expire(now)
+        if expired:
+            self._count("leases_expired", len(expired))
+            for lease in expired:
+                self.admission.touch_worker(lease.worker_id)
+        self._reap(now)
+        self.admission.touch_all()
+        self._dirty = True
 
     def _monitor_event(self, frames: list[zmq.Frame]) -> None:
         event = int.from_bytes(frames[0].bytes[:2], "little")
@@ -349,6 +397,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
             if identity in self.admission.peers:
                 self._count("peers_unroutable")
                 self._drop_peer(identity, "workers_lost")
+                self._dirty = True
         self._unroutable.clear()
 
     def _handle(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
@@ -380,10 +429,13 @@ class ZmqRolloutReceiver(RolloutReceiver):
                                    body["lease_id"], body["error"][:500])
             if peer is not None:  # counted against the prompt; poisoned after loader.max_prompt_failures
                 self.pool.lease_failed(body["lease_id"], peer.worker_id, body["error"][:2000])
+                self.admission.returned(peer, body["lease_id"], now, accepted=False)
+                self._dirty = True
         elif kind == P.BYE:
             self.admission.forget(identity)  # it left: no SHUTDOWN owed
             if peer is not None:
                 self._drop_peer(identity, "worker_left")
+                self._dirty = True  # its leases went back to the pool
         elif peer is None:  # heartbeat from a worker we greeted and then declared dead: it greets again
             self._send(sock, identity, P.RESYNC, {})
         elif kind == P.HEARTBEAT and isinstance(body.get("status"), dict):
@@ -393,6 +445,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
 
     def _hello(self, sock: zmq.Socket, identity: bytes, body: dict[str, Any], now: float) -> None:
         greeting = self.admission.hello(identity, body, now)
+        self._dirty = True
         for old, released in greeting.evicted:
             self._dropped(old, "worker_restarted", released)
         if greeting.refusal is not None:
@@ -444,17 +497,23 @@ class ZmqRolloutReceiver(RolloutReceiver):
             self._rejected.keep(worker_id, body["group"], e)
             if peer is not None:  # its lease is void: generate the prompt again elsewhere
                 self.pool.release_held(lease_id, peer.worker_id, "rejected")
+                self.admission.returned(peer, lease_id, time.monotonic(), accepted=False)
+                self._dirty = True
             return
         except DecodeError as e:
             self._bad(identity, e)
             self._rejected.keep(worker_id, body["group"])
             if peer is not None:  # its lease is void: generate the prompt again elsewhere
                 self.pool.release_held(lease_id, peer.worker_id, "rejected")
+                self.admission.returned(peer, lease_id, time.monotonic(), accepted=False)
+                self._dirty = True
             return
         if worker_id is not None and self.pool.cancelled_lease_of(lease_id, worker_id):
             self._count("cancelled_lease_answers")  # late, not forged: a reset cancelled the lease it answers
             if peer is None:
                 self._send(sock, identity, P.RESYNC, {})
+            else:
+                self.admission.returned(peer, lease_id, time.monotonic(), accepted=False)
             return
         if worker_id is None or not self.pool.held_by(group.epoch, group.prompt_index, worker_id):
             self._refused(
@@ -474,6 +533,8 @@ class ZmqRolloutReceiver(RolloutReceiver):
         else:
             peer.groups += accepted > 0
             self.pool.release_held(lease_id, peer.worker_id, "rejected")
+            self.admission.returned(peer, lease_id, time.monotonic(), accepted=accepted > 0)
+            self._dirty = True
 
     def rejected_rollouts(self) -> list[dict[str, Any]]:
         return self._rejected.list()
@@ -490,6 +551,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
     def _reap(self, now: float) -> None:
         for identity in self.admission.silent(now):
             self._drop_peer(identity, "workers_lost")
+            self._dirty = True
 
     def _grant(self, sock: zmq.Socket, now: float) -> None:
         for peer, leases in self.admission.grants(now, skip=self._unroutable):
@@ -511,7 +573,9 @@ class ZmqRolloutReceiver(RolloutReceiver):
             if not self._send(sock, peer.identity, P.LEASES, body):
                 # never reached the worker: not a regeneration, and first in line for the next worker
                 self.pool.undeliver(leases)
+                self.admission.undelivered(peer, leases)
                 self._count("leases_undeliverable", len(leases))
+                self._dirty = True
             else:
                 self._count("leases_granted", len(leases))
 
@@ -558,6 +622,7 @@ class ZmqRolloutSender(RolloutSender):
         )
         self._io = IOThread(self, f"asyncrl-sender-{worker_id}")
         self._ctx, self._stop = self._io.ctx, self._io.stop
+        self._waker = Waker(self._ctx, f"sender-{id(self):x}", coalesce=True)  # set_ready() and close()
         self._out_addr = f"inproc://asyncrl-out-{id(self):x}"
         self._cv = threading.Condition()
         self._leases: collections.deque[ReceivedLease] = collections.deque()
@@ -631,6 +696,7 @@ class ZmqRolloutSender(RolloutSender):
     def set_ready(self) -> None:
         self._ready = True
         self._greet_again.set()
+        self._waker.wake()
 
     @property
     def done(self) -> bool:
@@ -641,22 +707,26 @@ class ZmqRolloutSender(RolloutSender):
         if self._pusher is not None:
             self._pusher.close()  # LINGER -1: everything pushed reaches the I/O thread first
             self._pusher = None
-        self._io.close()
+        # the I/O thread waits for events, not a tick: wake it to see the stop
+        self._io.close(before_join=self._waker.wake if self._io.started else None)
 
     # -- I/O thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         pull = self._ctx.socket(zmq.PULL)
         pull.bind(self._out_addr)
+        wake = self._waker.pull()
         self._bound.set()
         dealers = [self._dealer(ep) for ep in self.endpoints]
         try:
-            self._loop(pull, dealers)
+            self._loop(pull, dealers, wake)
         except BaseException as e:  # thread boundary: take_leases() re-raises it in the main thread
             logger.exception("worker %s: sender I/O thread died", self.worker_id)
             with self._cv:
                 self._error = e
                 self._cv.notify_all()
         finally:
+            self._waker.close()  # here, under its lock: its sending end must be closed before the context's term
+            wake.close(linger=0)
             self._drain(pull, dealers)
             for i, d in enumerate(dealers):
                 if not self._shutdown[i] and not self._lost[i]:
@@ -724,9 +794,10 @@ class ZmqRolloutSender(RolloutSender):
                 return
             pending.popleft()
 
-    def _loop(self, pull: zmq.Socket, dealers: list[zmq.Socket]) -> None:
+    def _loop(self, pull: zmq.Socket, dealers: list[zmq.Socket], wake: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(pull, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
         for d in dealers:
             poller.register(d, zmq.POLLIN)
         n = len(dealers)
@@ -735,8 +806,14 @@ class ZmqRolloutSender(RolloutSender):
         last_seen = [now] * n
         next_hello = [0.0] * n
         next_heartbeat = now + self.config.heartbeat_s
+        timers_s = self.config.heartbeat_s / SENDER_WAKES_PER_HEARTBEAT
         while not self._stop.is_set():
-            events = dict(poller.poll(20))
+            # groups to send, a pool's message or set_ready()/close() wake it; otherwise only its timers
+            pending = any(self._pending)  # groups a full queue held back: retried soon
+            timeout = min(next_heartbeat - time.monotonic(), timers_s, 0.02 if pending else math.inf)
+            events = dict(poller.poll(max(0, math.ceil(timeout * 1000))))
+            if wake in events:
+                self._waker.drain(wake)
             self._drain(pull, dealers)
             now = time.monotonic()
             greet_again = self._greet_again.is_set()

@@ -83,9 +83,10 @@ def test_credits_are_topped_up_in_halves_and_a_streaming_peer_gets_every_free_on
     a.hello(b"s", _hello("static", slots=8), now=0.0)
     a.hello(b"f", _hello("stream", slots=8, streaming=True), now=0.0)
     assert {p.worker_id: len(ls) for p, ls in a.grants(now=0.0)} == {"static": 8, "stream": 8}
-    for worker_id in ("static", "stream"):  # three groups of each come back
+    for identity, worker_id in ((b"s", "static"), (b"f", "stream")):  # three groups of each come back
         for lease in [lease for lease in a.pool.ledger.leases.values() if lease.worker_id == worker_id][:3]:
             a.pool.release_held(lease.lease_id, worker_id, "rejected")
+            a.returned(a.peers[identity], lease.lease_id, 0.05, accepted=False)
     # 3 free of 8: the static peer waits for half its credits, the streaming one takes them now
     assert {p.worker_id: len(ls) for p, ls in a.grants(now=0.1)} == {"stream": 3}
     assert a.grants(now=0.2, skip={b"f"}) == []
@@ -93,14 +94,19 @@ def test_credits_are_topped_up_in_halves_and_a_streaming_peer_gets_every_free_on
 
 def test_credits_the_pool_withholds_are_charged_as_seconds_by_its_reason():
     a = _admission(prompts=4)
-    a.hello(b"a", _hello("wa", slots=4), now=0.0)
-    a.hello(b"b", _hello("wb", slots=8), now=0.0)
-    first = a.grants(now=0.0)
-    assert [len(ls) for _, ls in first] == [4]  # all four prompts to the first peer; the pool had none for the second
+    a.hello(b"a", _hello("wa", slots=2), now=0.0)
+    a.hello(b"b", _hello("wb", slots=4), now=0.0)
+    a.hello(b"c", _hello("wc", slots=1), now=0.0)
+    first = {p.worker_id: len(ls) for p, ls in a.grants(now=0.0)}
+    assert first == {"wa": 1, "wb": 2, "wc": 1}  # in proportion to their slots, until the pool has no prompt left
+    assert a.blocked == "no_prompt"
     a.grants(now=0.5)
-    workers = a.workers()
-    assert workers["wb"]["credits_withheld_no_prompt_s"] == pytest.approx(0.5)
-    assert all(v == 0 for k, v in workers["wa"].items() if k.startswith("credits_withheld"))
+    assert a.workers()["wb"]["credits_withheld_no_prompt_s"] == pytest.approx(0.5)
+    assert a.workers(now=2.0)["wa"]["credits_withheld_no_prompt_s"] == pytest.approx(2.0)  # a wait going on counts
+    assert all(v == 0 for k, v in a.workers(now=2.0)["wc"].items() if k.startswith("credits_withheld"))  # full
+    a.drop(b"a", "worker_left")  # its lease goes back to the pool: wb takes it, and waits no more
+    assert {p.worker_id: len(ls) for p, ls in a.grants(now=3.0)} == {"wb": 1}
+    assert a.blocked == "no_prompt" and a.workers(now=5.0)["wb"]["credits_withheld_no_prompt_s"] == pytest.approx(5.0)
 
 
 def test_a_worker_not_ready_is_greeted_but_granted_nothing_until_it_greets_again():
