@@ -20,7 +20,9 @@ decision under the reason given here.
   workers × slots), and peers alike take turns, so every one of them gets work. The lowest pass goes first, ties to
   the peer granted longest ago; a peer that (re)joins the queue starts at the pass of the last lease granted, so a
   worker that joins gets the next lease and one that was away gets no burst for it. A peer with no turnaround yet
-  gets the average of all peers'. Rates come from what the pool sees, never from what a worker says of itself.
+  gets the average of all peers'; turnarounds count from :data:`TURNAROUND_FLOOR_S` and within :data:`RATE_SPREAD`
+  times the average, so a noisy measurement never starves a worker. Rates come from what the pool sees, never from
+  what a worker says of itself.
 - **Withheld time**: while the pool grants nothing (its reason, :data:`WITHHELD`), every peer in the queue is charged
   that time, by reason, as seconds; the accounting is exact between passes (integrals of the pool's blocked time,
   taken when a peer joins and leaves the queue), so grants can be rare without losing time.
@@ -47,8 +49,8 @@ from asyncrl.config import GateConfig
 from asyncrl.pool.buffer import RolloutPool
 from asyncrl.pool.ledger import Lease
 
-__all__ = ["EVICT_AFTER_HEARTBEATS", "GREETED_PER_PEER", "MAX_STATUS_KEYS", "TURNAROUND_WEIGHT", "WITHHELD",
-           "Admission", "Greeting", "Peer", "Refusal"]
+__all__ = ["EVICT_AFTER_HEARTBEATS", "GREETED_PER_PEER", "MAX_STATUS_KEYS", "RATE_SPREAD", "TURNAROUND_FLOOR_S",
+           "TURNAROUND_WEIGHT", "WITHHELD", "Admission", "Greeting", "Peer", "Refusal"]
 
 EVICT_AFTER_HEARTBEATS = 2.5
 """A HELLO reusing a connected worker's id evicts that worker only once it has been silent this many
@@ -66,8 +68,15 @@ seconds of each are in the worker's entry of the receiver's ``stats()`` as ``cre
 the staleness window (groups leased and buffered that the trainer has not taken: a trainer slower than the workers),
 ``capacity`` the pool's ``capacity``, ``bytes`` its ``max_buffer_bytes``, ``no_prompt`` nothing left to lease. A worker
 short of leases with none of these growing is waiting on the credit round trip."""
-TURNAROUND_WEIGHT = 0.2
+_STATUS_TYPES = frozenset({int, float, str, bool})
+"""Types of a status value (bool is an int; a subclass of str or int from a decoder is not expected)."""
+TURNAROUND_WEIGHT = 0.1
 """Weight of the newest sample in a peer's moving average of lease turnaround (grant to accepted group)."""
+TURNAROUND_FLOOR_S = 0.05
+"""Turnarounds shorter than this count as this: below it they measure the pool's own queueing, not the worker."""
+RATE_SPREAD = 2.0
+"""A peer's share of the leases counts its rate up to this many times the average's, or down to a fraction of it: a
+noisy or stale measurement never starves a worker (nor lets one hoard)."""
 GRANT_TIMES_PER_SLOT = 2
 """Grant times kept per credit of a peer, to measure turnarounds (leases that never come back are forgotten)."""
 
@@ -219,9 +228,12 @@ class Admission:
     def status(self, peer: Peer, status: dict[str, Any]) -> Refusal | None:
         """Keeps a heartbeat's status (values cut to 200 characters), or says why it was refused (the previous one
         stays)."""
-        if len(status) <= MAX_STATUS_KEYS and all(isinstance(k, str) and isinstance(v, (int, float, str))
-                                                  for k, v in status.items()):
-            peer.status = {k: v[:200] if isinstance(v, str) else v for k, v in status.items()}
+        # a heartbeat a second from each of hundreds of workers: the checks run on types, in C, not per value in Python
+        types = set(map(type, status.values()))
+        if len(status) <= MAX_STATUS_KEYS and types <= _STATUS_TYPES and set(map(type, status)) <= {str}:
+            if str in types:
+                status = {k: v[:200] if type(v) is str else v for k, v in status.items()}
+            peer.status = status
             return None
         return Refusal("statuses_refused", f"a status of {len(status)} keys (at most {MAX_STATUS_KEYS}, values "
                                            "int/float/str) was ignored; the previous one stays")
@@ -306,12 +318,15 @@ class Admission:
         pool grants again).
         """
         self._advance(now)
-        for identity in self._touched:
-            peer = self.peers.get(identity)
-            if peer is not None:
-                peer.held = self.pool.held(peer.worker_id)
-                self._refresh(peer)
-        self._touched.clear()
+        if self._touched:
+            # one look at the pool for many peers (a reset, the periodic re-read), one per peer for a few
+            counts = self.pool.outstanding() if len(self._touched) > 8 else None
+            for identity in self._touched:
+                peer = self.peers.get(identity)
+                if peer is not None:
+                    peer.held = counts[peer.worker_id] if counts is not None else self.pool.held(peer.worker_id)
+                    self._refresh(peer)
+            self._touched.clear()
         out: dict[bytes, tuple[Peer, list[Lease]]] = {}
         skipped: list[Peer] = []
         blocked = None
@@ -374,9 +389,14 @@ class Admission:
             peer.waited = None
 
     def _stride(self, peer: Peer) -> float:
-        """How far one lease moves a peer's pass: its turnaround over its slots (the inverse of its rate)."""
-        turnaround = peer.turnaround_s if peer.turnaround_s is not None else self._turnaround_all
-        return (1.0 if turnaround is None else max(turnaround, 1e-6)) / peer.slots
+        """How far one lease moves a peer's pass: its turnaround relative to the average (the inverse of its relative
+        rate), within :data:`RATE_SPREAD`, over its slots; turnarounds count from :data:`TURNAROUND_FLOOR_S`. Relative,
+        so that passes keep one scale as the average moves (and before anything is measured)."""
+        average = self._turnaround_all
+        if average is None or peer.turnaround_s is None:
+            return 1.0 / peer.slots
+        relative = max(peer.turnaround_s, TURNAROUND_FLOOR_S) / max(average, TURNAROUND_FLOOR_S)
+        return min(max(relative, 1 / RATE_SPREAD), RATE_SPREAD) / peer.slots
 
     # -- the pool's blocked time -----------------------------------------------------------------------------
     def _advance(self, now: float) -> None:

@@ -12,13 +12,16 @@ Who blocks on what:
   group, a failure, a HELLO, a BYE), after the trainer's thread changed what the pool may lease (a group
   taken, a version set, a commit, a reset: the pool's ``on_change`` wakes this thread) and after leases
   expire, one grant pass (:meth:`asyncrl.pool.admission.Admission.grants`) looks at the workers concerned.
-  Timers, twice per ``heartbeat_s``: expire overdue leases, declare silent workers dead (their leases go
-  back to the ledger), send heartbeats once per ``heartbeat_s``. Idle, it wakes for those and for the
-  workers' heartbeats only. The trainer thread never touches the socket.
+  Timers: twice per ``heartbeat_s`` it expires overdue leases and declares silent workers dead (their leases
+  go back to the ledger); once per ``heartbeat_s`` it sends heartbeats (encoded once for all) and re-reads
+  every worker's leases from the pool. Idle, it wakes for those and for the workers' heartbeats only
+  (which answer its own, so they arrive together). The trainer thread never touches the socket.
 * Worker side, :class:`ZmqRolloutSender`: one I/O thread owns the DEALERs and handles handshake,
   heartbeats, leases and cancels; the worker's main thread blocks only in :meth:`take_leases` and
   hands finished groups to the I/O thread over an ``inproc`` PUSH/PULL pair (zero-copy), which wakes it.
-  Idle, it wakes :data:`SENDER_WAKES_PER_HEARTBEAT` times per ``heartbeat_s`` (its timers), not more.
+  Otherwise it sleeps until its next timer: its heartbeat, a HELLO retry, a pool silent too long. It answers a
+  pool's heartbeat with its own when that is due within half an interval, so an idle worker wakes about once per
+  ``heartbeat_s`` and a pool's workers' heartbeats arrive together, read in one wake of the pool.
 
 Credit-based flow control: a worker announces ``slots`` in HELLO (capped at ``gate.max_slots_per_peer``);
 the pool keeps at most that many leases outstanding per worker and at most ``capacity`` groups in
@@ -92,11 +95,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 HOUSEKEEPING_PER_HEARTBEAT = 2
-"""The pool expires leases, reaps silent workers and re-reads every worker's leases this often per ``heartbeat_s``
-(also at most every half ``lease_timeout_s``)."""
-SENDER_WAKES_PER_HEARTBEAT = 4
-"""An idle worker's I/O thread wakes this often per ``heartbeat_s`` for its timers (heartbeat, HELLO retries, a silent
-pool); messages and the main thread's groups wake it at once."""
+"""The pool expires leases and reaps silent workers this often per ``heartbeat_s`` (and at least every half
+``lease_timeout_s``)."""
 SHUTDOWN_LINGER_MS = 1000
 MAX_DRAIN = 256
 REGREET_AFTER_HEARTBEATS = 2.5
@@ -333,6 +333,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
             if self.admission.blocked == "no_prompt" and (retry := self.pool.next_wake()) is not None:
                 timer = min(timer, retry)  # a failed prompt's backoff ends: it can be leased again
             events = dict(poller.poll(0 if self._dirty else max(0, math.ceil((timer - now) * 1000))))
+            self._count("io_wakes")
             if wake in events:  # the trainer's side changed what the pool may lease (or a cancel, or close)
                 self._waker.drain(wake)
                 self._dirty = True
@@ -353,25 +354,28 @@ class ZmqRolloutReceiver(RolloutReceiver):
                 self._housekeeping(now)
             if now >= next_heartbeat:
                 next_heartbeat = now + self.config.heartbeat_s
+                frames = encode(P.HEARTBEAT, {"policy_version": self.pool.policy_version,
+                                              "incarnation": self.pool.incarnation})  # once for every worker
                 for identity in list(self.admission.peers):
-                    self._send(sock, identity, P.HEARTBEAT, {"policy_version": self.pool.policy_version,
-                                                             "incarnation": self.pool.incarnation})
+                    self._send(sock, identity, P.HEARTBEAT, frames=frames)
+                # and every worker's leases re-read from the pool (those it cancelled on its own: a duplicate group's,
+                # a skipped prompt's)
+                self.admission.touch_all()
+                self._dirty = True
             if self._dirty or timer <= now:
                 self._dirty = False
                 self._grant(sock, now)
             self._drop_unroutable()
 
     def _housekeeping(self, now: float) -> None:
-        """Expires overdue leases, drops silent workers and re-reads every worker's leases from the pool (leases the
-        pool cancelled on its own: a duplicate group's, a skipped prompt's)."""
+        """Expires overdue leases and drops silent workers (their leases go back to the pool)."""
         expired = self.pool.expire(now)
         if expired:
             self._count("leases_expired", len(expired))
             for lease in expired:
                 self.admission.touch_worker(lease.worker_id)
+            self._dirty = True
         self._reap(now)
-        self.admission.touch_all()
-        self._dirty = True
 
     def _monitor_event(self, frames: list[zmq.Frame]) -> None:
         event = int.from_bytes(frames[0].bytes[:2], "little")
@@ -379,9 +383,12 @@ class ZmqRolloutReceiver(RolloutReceiver):
         if name is not None:
             self._count(name)
 
-    def _send(self, sock: zmq.Socket, identity: bytes, kind: str, body: dict[str, Any]) -> bool:
+    def _send(self, sock: zmq.Socket, identity: bytes, kind: str, body: dict[str, Any] | None = None, *,
+              frames: list | None = None) -> bool:
+        """Sends ``body`` (or ``frames`` already encoded) to ``identity``; False if it cannot be sent now."""
         try:
-            sock.send_multipart([identity, *encode(kind, body)], zmq.NOBLOCK, copy=False)
+            sock.send_multipart([identity, *(frames if frames is not None else encode(kind, body))], zmq.NOBLOCK,
+                                copy=False)
             return True
         except (zmq.Again, zmq.ZMQError) as e:  # peer gone (ROUTER_MANDATORY) or its queue is full
             self._count(f"send_failed_{kind}")
@@ -615,6 +622,7 @@ class ZmqRolloutSender(RolloutSender):
         self.streaming = streaming
         self._ready = ready
         self._greet_again = threading.Event()  # set_ready(): the I/O thread says HELLO again on every connection
+        self._pool_heartbeat = False  # a pool's heartbeat arrived in this wake (I/O thread)
         secret = client_secret_key(config)
         # the pool's allow-list names this worker's public key; without a configured key, a throw-away pair
         self._client_keys: tuple[bytes, bytes] = (
@@ -762,15 +770,22 @@ class ZmqRolloutSender(RolloutSender):
         self._send(d, P.HELLO, body)
 
     def _send(self, d: zmq.Socket, kind: str, body: dict[str, Any]) -> None:
+        self._send_frames(d, kind, encode(kind, body))
+
+    def _send_frames(self, d: zmq.Socket, kind: str, frames: list) -> None:
         try:
-            d.send_multipart(encode(kind, body), zmq.NOBLOCK)
+            d.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:  # queue to that pool is full; heartbeats and hellos are retried anyway
             self.counters[f"send_dropped_{kind}"] += 1
 
-    def _drain(self, pull: zmq.Socket, dealers: list[zmq.Socket]) -> None:
-        """Forwards groups from the main thread; never blocks (heartbeats must keep flowing)."""
+    def _drain(self, pull: zmq.Socket, dealers: list[zmq.Socket], ready: bool = True) -> None:
+        """Forwards groups from the main thread (when ``ready``: the poll saw some); never blocks (heartbeats must
+        keep flowing)."""
         for conn, d in enumerate(dealers):
-            self._flush(conn, d)
+            if self._pending[conn]:
+                self._flush(conn, d)
+        if not ready:
+            return
         for _ in range(100_000):
             try:
                 frames = pull.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -801,50 +816,64 @@ class ZmqRolloutSender(RolloutSender):
         for d in dealers:
             poller.register(d, zmq.POLLIN)
         n = len(dealers)
+        hb = self.config.heartbeat_s
         now = time.monotonic()
         handshake_deadline = now + self.config.handshake_timeout_s
         last_seen = [now] * n
         next_hello = [0.0] * n
-        next_heartbeat = now + self.config.heartbeat_s
-        timers_s = self.config.heartbeat_s / SENDER_WAKES_PER_HEARTBEAT
+        next_heartbeat = now + hb
+        wake_at = now
         while not self._stop.is_set():
-            # groups to send, a pool's message or set_ready()/close() wake it; otherwise only its timers
-            pending = any(self._pending)  # groups a full queue held back: retried soon
-            timeout = min(next_heartbeat - time.monotonic(), timers_s, 0.02 if pending else math.inf)
-            events = dict(poller.poll(max(0, math.ceil(timeout * 1000))))
+            # a pool's message, groups to send and set_ready()/close() wake it; otherwise only its next timer
+            events = dict(poller.poll(max(0, math.ceil((wake_at - time.monotonic()) * 1000))))
+            self.counters["io_wakes"] += 1
             if wake in events:
                 self._waker.drain(wake)
-            self._drain(pull, dealers)
+            self._drain(pull, dealers, pull in events)
             now = time.monotonic()
             greet_again = self._greet_again.is_set()
             self._greet_again.clear()
+            self._pool_heartbeat = False
+            wake_at = next_heartbeat
             for i, d in enumerate(dealers):
                 if d in events and drain(d, lambda frames, i=i, d=d: self._handle(i, d, frames), MAX_DRAIN):
                     last_seen[i] = now
                     self._lost[i] = False
-                if not self._welcomed[i] and not self._abandoned[i] and now >= next_hello[i]:
-                    if now > handshake_deadline:
-                        self._abandoned[i] = True
-                        logger.warning(
-                            "worker %s: no WELCOME from %s within %s s (transport.handshake_timeout_s); not serving it",
-                            self.worker_id, self.endpoints[i], self.config.handshake_timeout_s,
-                        )
-                    else:
+                if not self._welcomed[i] and not self._abandoned[i]:
+                    if now >= next_hello[i]:
+                        if now > handshake_deadline:
+                            self._abandoned[i] = True
+                            logger.warning("worker %s: no WELCOME from %s within %s s (transport.handshake_timeout_s); "
+                                           "not serving it", self.worker_id, self.endpoints[i],
+                                           self.config.handshake_timeout_s)
+                            continue
                         self._hello(d)
-                        next_hello[i] = now + self.config.heartbeat_s
-                silent = now - last_seen[i] > REGREET_AFTER_HEARTBEATS * self.config.heartbeat_s
-                if self._welcomed[i] and not self._shutdown[i] and (greet_again or (silent and now >= next_hello[i])):
+                        next_hello[i] = now + hb
+                    wake_at = min(wake_at, next_hello[i])
+                if not self._welcomed[i] or self._shutdown[i]:
+                    continue
+                regreet_at = max(last_seen[i] + REGREET_AFTER_HEARTBEATS * hb, next_hello[i])
+                if greet_again or now >= regreet_at:
                     # ready now; or the pool has been silent: it may know this connection under another identity
                     # (a reconnect) and answers nothing to a peer that never said HELLO on it
                     self._hello(d)
-                    next_hello[i] = now + self.config.heartbeat_s
-                if self._welcomed[i] and not self._shutdown[i] and now - last_seen[i] > self.config.peer_timeout_s:
+                    next_hello[i] = now + hb
+                    regreet_at = max(regreet_at, next_hello[i])
+                if now - last_seen[i] > self.config.peer_timeout_s:
                     self._lost[i] = True
-            if now >= next_heartbeat:
-                next_heartbeat = now + self.config.heartbeat_s
+                wake_at = min(wake_at, regreet_at)
+                if not self._lost[i]:
+                    wake_at = min(wake_at, last_seen[i] + self.config.peer_timeout_s + 0.001)
+            # a pool's heartbeat is answered at once when ours is due within half an interval: one wake for both
+            if now >= next_heartbeat or (self._pool_heartbeat and now >= next_heartbeat - hb / 2):
+                next_heartbeat = now + hb
+                frames = encode(P.HEARTBEAT, {"status": dict(self.status)})
                 for i, d in enumerate(dealers):
                     if self._welcomed[i] and not self._shutdown[i]:
-                        self._send(d, P.HEARTBEAT, {"status": dict(self.status)})
+                        self._send_frames(d, P.HEARTBEAT, frames)
+                wake_at = min(wake_at, next_heartbeat)
+            if any(self._pending):  # groups a full queue held back: retried soon
+                wake_at = min(wake_at, now + 0.02)
             live = [i for i in range(n) if self._welcomed[i] and not self._shutdown[i]]
             if live and all(self._lost[i] for i in live) and not any(
                 not self._welcomed[i] and not self._abandoned[i] for i in range(n)
@@ -876,6 +905,7 @@ class ZmqRolloutSender(RolloutSender):
                 self.policy_version = max(self.policy_version, body["policy_version"])
                 self._leases.extend(leases)
             elif kind == P.HEARTBEAT:
+                self._pool_heartbeat = True
                 pv = body.get("policy_version")
                 if isinstance(pv, int):
                     self.policy_version = max(self.policy_version, pv)
