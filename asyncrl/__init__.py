@@ -19,8 +19,8 @@ __version__ = "0.1.0"
 
 _CONFIGS = ("CheckpointConfig", "DataConfig", "DebugConfig", "EngineConfig", "FakeEngineConfig", "GateConfig",
             "GuardConfig", "HFEngineConfig", "LoaderConfig", "LoraConfig", "LossConfig", "ModelConfig", "RecipeConfig",
-            "RewardConfig", "TrainConfig", "TransportConfig", "VllmEngineConfig", "WeightSyncConfig", "WorkerConfig",
-            "load_config")
+            "RewardConfig", "TrackingConfig", "TrainConfig", "TransportConfig", "VllmEngineConfig", "WeightSyncConfig",
+            "WorkerConfig", "load_config")
 
 _EXPORTS = {
     **{name: "asyncrl.config" for name in _CONFIGS},
@@ -31,6 +31,9 @@ _EXPORTS = {
     "Group": "asyncrl.rollout",
     "DecodeError": "asyncrl.codec",
     "staleness": "asyncrl.pool.staleness",
+    # what next(loader) raises besides StopIteration: a prompt every worker fails on, a worker that cannot start
+    "PoisonedPromptError": "asyncrl.pool.poison",
+    "WorkerStartError": "workers.launcher",
     # your data and rewards
     "load_prompts": "asyncrl.data.prompts",
     "render_prompt": "asyncrl.data.prompts",

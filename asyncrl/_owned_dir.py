@@ -210,24 +210,36 @@ def sweep_dead(prefix: str, base: str | os.PathLike) -> Swept:
     return Swept(tuple(removed), tuple(legacy))
 
 
-def make_owned_dir(prefix: str, base: str | os.PathLike | None = None) -> tuple[OwnedDir, Swept]:
+def make_owned_dir(prefix: str, base: str | os.PathLike | None = None, *,
+                   suffix: str | None = None) -> tuple[OwnedDir, Swept]:
     """Sweeps dead siblings, then makes ``base/{prefix}XXXX`` with its owner lock held by this process.
 
     Args:
         prefix: the directory name's prefix (e.g. ``"asyncrl-weights-"``); siblings with it are swept.
         base: the parent directory (default: the system temp directory).
+        suffix: a fixed name after the prefix (a run's own directory, the same for its resume) instead of a random
+            one; a directory of that name left by a dead owner, or without an owner lock, is replaced.
 
     Returns:
         The directory (remove it with :meth:`OwnedDir.close`) and what the sweep removed.
+
+    Raises:
+        FileExistsError: ``suffix`` names a directory whose owner is alive.
     """
     base = str(base) if base is not None else tempfile.gettempdir()
     swept = sweep_dead(prefix, base)
+    if suffix is not None:
+        named = Path(base, f"{prefix}{suffix}")
+        if named.exists() and _remove_if_dead(named, prefix) is None:
+            if (named / OWNER).exists():
+                raise FileExistsError(f"{named} is in use by a live process (its {OWNER} is locked)")
+            _remove(named, prefix)  # no owner lock: made before there were any, or half removed; nobody's now
     tmp = Path(tempfile.mkdtemp(prefix=f".{prefix}new-", dir=base))
     fd = os.open(tmp / OWNER, os.O_RDWR | os.O_CREAT, 0o600)  # close-on-exec: exec'd children do not hold it
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fresh file: nobody else can hold it
-    suffix = tmp.name[len(f".{prefix}new-"):]
+    name = suffix if suffix is not None else tmp.name[len(f".{prefix}new-"):]
     while True:
-        final = Path(base, f"{prefix}{suffix}")
+        final = Path(base, f"{prefix}{name}")
         if not final.exists():  # random names: a clash is a freak, and rename would replace an empty directory
             try:
                 os.rename(tmp, final)
@@ -236,4 +248,8 @@ def make_owned_dir(prefix: str, base: str | os.PathLike | None = None) -> tuple[
                 if not tmp.is_dir():
                     os.close(fd)
                     raise FileNotFoundError(f"{tmp} vanished while it was being made (removed by hand?)") from None
-        suffix = secrets.token_hex(4)
+        if suffix is not None:
+            _remove(tmp, prefix)
+            os.close(fd)
+            raise FileExistsError(f"{final} was made by another process meanwhile")
+        name = secrets.token_hex(4)

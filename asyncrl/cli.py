@@ -13,6 +13,9 @@ The debugger's commands (``asyncrl <command> --help`` for each):
 - ``asyncrl report RUN_DIR``: a self-contained HTML report of a run (asyncrl.debug.report).
 - ``asyncrl check --model DIR [--engine hf|vllm]``: every link from a model directory to RL training, verified
   stage by stage (asyncrl.check.runner).
+
+``asyncrl tiny-model DIR [--chat | --vlm]`` builds a tiny model directory locally (asyncrl.testing.build): a 2-layer
+Qwen2 with a character tokenizer, or with a BPE tokenizer and a chat template, or a tiny vision-language model.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def _worker(args: argparse.Namespace) -> None:
     apply_overrides(tree, args.set or [])
     if args.client_key_file:  # this worker's CURVE secret key: its public key is in the pool's allow-list
         tree.setdefault("transport", {})["curve_client_key_file"] = args.client_key_file
-    worker = from_dict(WorkerConfig, tree.get("worker", {}))
+    worker = from_dict(WorkerConfig, tree.get("worker", {}), "worker.")  # errors name the dotted key
     if args.device:  # before any engine touches CUDA: this process sees only its GPUs
         from workers.launcher import pin_device
 
@@ -56,7 +59,7 @@ def _worker(args: argparse.Namespace) -> None:
             worker = dataclasses.replace(worker, engine=dataclasses.replace(worker.engine, device=device))
     from workers.worker import run_worker
 
-    transport = from_dict(TransportConfig, tree.get("transport", {}))
+    transport = from_dict(TransportConfig, tree.get("transport", {}), "transport.")
     worker_id = args.worker_id or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     run_worker(
         args.connect,
@@ -74,6 +77,8 @@ _TOOLS = {
     "report": ("asyncrl.debug.report", "write a self-contained HTML report (and PNGs) of a run directory"),
     "check": ("asyncrl.check.runner", "verify a model directory stage by stage for RL: structure, split, checkpoint, "
               "weight sync, logprobs, loss; non-zero exit on any failure"),
+    "tiny-model": ("asyncrl.testing.build", ("build a tiny model directory locally to try things with (--chat: a BPE "
+                                             "tokenizer and a chat template; --vlm: a vision-language model)")),
 }
 
 

@@ -45,10 +45,10 @@ import torch
 
 from asyncrl import FakeEngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
 from asyncrl.checkpoint.checkpointer import CheckpointDir
-from asyncrl.config import GateConfig, WeightSyncConfig
-from asyncrl.rollout import Group
 from asyncrl.checkpoint.run_dir import RunDirLock, truncate_records
+from asyncrl.config import GateConfig, WeightSyncConfig
 from asyncrl.pool.timeline import new_incarnation
+from asyncrl.rollout import Group
 from asyncrl.weights import setup_weight_broadcaster
 from datapipes.collate import collate_groups
 

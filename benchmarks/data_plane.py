@@ -81,15 +81,15 @@ import torch
 import zmq
 from tqdm import tqdm
 
-from benchmarks._report import machine
 from asyncrl.codec import decode, encode
 from asyncrl.config import FakeEngineConfig, LoaderConfig, WorkerConfig
+from asyncrl.rewards.legacy import fake_reward
 from asyncrl.rollout import Group
 from asyncrl.transport import ReceivedLease, RolloutSender
+from benchmarks._report import machine
 from datapipes.collate import TrainBatch, collate_groups
 from datapipes.loader import RolloutLoader
 from workers.engines.fake import FakeEngine
-from asyncrl.rewards.legacy import fake_reward
 from workers.worker import RolloutWorker
 
 PROMPT_TOKENS = 64
@@ -151,8 +151,8 @@ class CallbackSender(RolloutSender):
     def send_group(self, lease: ReceivedLease, group: Group) -> None:
         self.deliver(group)
 
-    def send_failed(self, lease: ReceivedLease, error: str) -> None:
-        raise RuntimeError(f"lease {lease.lease_id} failed: {error}")
+    def send_failed(self, lease: ReceivedLease, error: str, culprit: str | None = None) -> None:
+        raise RuntimeError(f"lease {lease.lease_id} failed ({culprit}): {error}")
 
     @property
     def done(self) -> bool:

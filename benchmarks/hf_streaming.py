@@ -87,8 +87,8 @@ def run_streamed(engine: Any, requests: list[Any], slots: int) -> dict[str, Any]
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from asyncrl.config import HFEngineConfig
-    from workers.engines import build_engine
     from asyncrl.testing.tiny_model import build_tiny_model
+    from workers.engines import build_engine
 
     model = args.model or str(build_tiny_model(Path(tempfile.mkdtemp(prefix="asyncrl-hf-stream-")) / "tiny"))
     config = HFEngineConfig(model=model, seed=0, temperature=1.0, ignore_eos=True,

@@ -100,8 +100,8 @@ def trl_child(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from asyncrl.rewards.builtin import arithmetic_reward
     from asyncrl.data.tasks import arithmetic_prompts
+    from asyncrl.rewards.builtin import arithmetic_reward
 
     out = Path(args.trl_child)
     if args.threads:
@@ -151,9 +151,9 @@ def engine_child(args: argparse.Namespace) -> None:
     import torch
 
     from asyncrl.config import HFEngineConfig
+    from asyncrl.data.tasks import arithmetic_prompts
     from workers.engines import build_engine
     from workers.engines._rows import left_pad
-    from asyncrl.data.tasks import arithmetic_prompts
 
     torch.set_num_threads(1)
     out = Path(args.engine_child)

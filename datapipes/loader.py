@@ -40,15 +40,16 @@ import torch.distributed as dist
 from torchdata.nodes import Batcher, Loader, Mapper
 from torchdata.nodes.loader import LoaderIterator
 
-from asyncrl.config import LoaderConfig
-from asyncrl.pool.ledger import PromptLedger
+from asyncrl.config import LoaderConfig, check_keys
 from asyncrl.pool.buffer import RolloutPool
+from asyncrl.pool.ledger import PromptLedger
 from asyncrl.rollout import Group
 from asyncrl.transport import RolloutReceiver, setup_rollout_receiver
 from asyncrl.weights.verify import weight_mismatches
 from datapipes.collate import TrainBatch, collate_groups
 from datapipes.filters import GroupFilter
 from datapipes.pool_node import RolloutPoolNode
+from datapipes.preflight import check_loader
 from workers.launcher import LocalWorkerLauncher
 
 __all__ = ["RolloutLoader"]
@@ -69,8 +70,17 @@ class RolloutLoader(Loader[TrainBatch]):
         collate_fn: ``list[Group] -> batch``; default :func:`~datapipes.collate.collate_groups`.
         prompt_lengths: optional prompt token counts, to balance rank shards by tokens.
         incarnation: this trainer incarnation, the same on every rank and given to the weight broadcaster
-            (:func:`asyncrl.pool.timeline.new_incarnation`, once per start or resume); default: a new one.
+            (:func:`asyncrl.pool.timeline.new_incarnation`, once per start or resume); default: a new one. A loader
+            rebuilt on a live broadcaster passes its predecessor's (``docs/guides/your-loop.md``).
+        config_key: how errors name the settings: ``"LoaderConfig"`` (``LoaderConfig.on_poisoned_prompt``) or the
+            run file's section that holds them (``"rollout"`` in ``recipes/grpo.py``: ``rollout.on_poisoned_prompt``).
         **overrides: fields of :class:`~asyncrl.config.LoaderConfig`.
+
+    Raises:
+        ValueError: before any socket or worker process exists, for a loader that cannot work
+            (:mod:`datapipes.preflight`): an unknown override (with the closest field), a batch larger than this
+            rank's shard, local workers of a real engine without a weight channel, an engine model that is not a
+            model, a reward function that cannot be imported or fails on the first prompt.
     """
 
     def __init__(
@@ -84,8 +94,10 @@ class RolloutLoader(Loader[TrainBatch]):
         collate_fn: Callable[[list[Group]], Any] = collate_groups,
         prompt_lengths: Sequence[int] | None = None,
         incarnation: str | None = None,
+        config_key: str = "LoaderConfig",
         **overrides: Any,
     ):
+        check_keys(LoaderConfig, overrides)  # a misspelt keyword is named with the closest field
         config = dataclasses.replace(config or LoaderConfig(), **overrides)
         distributed = dist.is_available() and dist.is_initialized()
         rank = rank if rank is not None else (dist.get_rank() if distributed else 0)
@@ -116,7 +128,11 @@ class RolloutLoader(Loader[TrainBatch]):
             max_prompt_failures=config.max_prompt_failures,
             on_poisoned_prompt=config.on_poisoned_prompt,
             failure_backoff_s=config.prompt_failure_backoff_s,
+            config_key=config_key,
         )
+        self.config_key = config_key
+        # every mistake knowable now, before a socket or a worker exists; what the workers need to import the rewards
+        worker_env = check_loader(config, prompts, shard_size=ledger.shard_size, world_size=world_size, key=config_key)
         # per yielded batch: (pool reset generation, epoch, prompts); entries of an older generation are void
         self._uncommitted: collections.deque[tuple[int, int, list[int]]] = collections.deque()
         self._fetch_pattern = _FetchPattern(config.prefetch, check=config.check_prefetch, rank=rank)
@@ -137,6 +153,8 @@ class RolloutLoader(Loader[TrainBatch]):
                 max_restarts=_max_restarts(config.restart_workers),
                 backoff_s=config.restart_backoff_s,
                 backoff_max_s=config.restart_backoff_max_s,
+                max_failed_starts=config.max_failed_starts,
+                env=worker_env,
             )
             self.launcher.start()
         self.pool_node = RolloutPoolNode(
@@ -232,12 +250,18 @@ class RolloutLoader(Loader[TrainBatch]):
     def _health_check(self) -> None:
         if self.launcher is None or self.closed:
             return
+        workers = self.receiver.stats().get("workers", {})  # who delivered: their deaths are not failed starts
+        self.launcher.served(w["pid"] for w in workers.values() if w.get("groups") and isinstance(w.get("pid"), int))
         self.launcher.poll()
+        if (error := self.launcher.start_error()) is not None:
+            raise error
         if not self.launcher.recoverable():
+            tail = self.launcher.stderr_tail(0)
             raise RuntimeError(
                 f"rank {self.rank}: all {self.config.num_workers} local rollout workers are dead and none can be "
                 f"restarted (restarts used per slot: {self.launcher.restarts}, "
-                f"loader.restart_workers={self.config.restart_workers!r}); see their stderr above"
+                f"{self.config_key}.restart_workers={self.config.restart_workers!r})"
+                + (f"; the last stderr lines of {self.launcher.name}-0:\n{tail}" if tail else "; see their stderr above")
             )
 
     @property

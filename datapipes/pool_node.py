@@ -24,6 +24,7 @@ from typing import Any
 from torchdata.nodes import BaseNode
 
 from asyncrl.pool.buffer import RolloutPool
+from asyncrl.pool.diagnosis import explain, snapshot
 from asyncrl.rollout import Group
 from asyncrl.transport import RolloutReceiver
 
@@ -37,7 +38,8 @@ class RolloutPoolNode(BaseNode[Group]):
         pool: the rank's pool.
         receiver: the transport feeding the pool (started on first reset).
         poll_timeout_s: wait slice between health checks.
-        wait_timeout_s: raise if no group arrives for this long (None: wait forever).
+        wait_timeout_s: raise ``TimeoutError`` if no group arrives for this long, saying why
+            (:mod:`asyncrl.pool.diagnosis`); None: wait forever.
         health_check: called between waits (e.g. restart dead local workers); may raise.
         before_state: called first by ``get_state()`` (the loader commits what the consumer has trained:
             every delivered group but those of the batches it fetched ahead). None: every delivered group
@@ -107,6 +109,7 @@ class RolloutPoolNode(BaseNode[Group]):
 
     def next(self) -> Group:
         waited_since = time.monotonic()
+        before = None  # the counters when the wait began (taken once the first poll came back empty)
         while True:
             if self._closed:
                 raise RuntimeError("the RolloutLoader is closed (its receiver and workers are stopped); build a new "
@@ -121,20 +124,15 @@ class RolloutPoolNode(BaseNode[Group]):
             if group is not None:
                 self._yielded_since_reset += 1
                 return group
+            if self.wait_timeout_s is None:
+                continue
+            if before is None:
+                before = snapshot(self.pool, self.receiver)
             now = time.monotonic()
-            if self.wait_timeout_s is not None and now - waited_since > self.wait_timeout_s:
-                raise TimeoutError(
-                    f"no rollout group arrived for {self.wait_timeout_s} s (loader.wait_timeout_s); "
-                    f"pool: {self._pool_summary()}; receiver stats: {self.receiver.stats()}"
-                )
-
-    def _pool_summary(self) -> dict[str, Any]:
-        with self.pool.cond:
-            ledger = self.pool.ledger
-            return {"policy_version": self.pool.policy_version, "in_flight": self.pool.groups_in_flight,
-                    "fresh_budget": self.pool.fresh_budget, "delivered": len(self.pool._delivered),
-                    "leases": len(ledger.leases), "pending": ledger.has_pending(), "stats": dict(self.pool.stats),
-                    "ledger": dict(ledger.counters)}
+            if now - waited_since > self.wait_timeout_s:
+                raise TimeoutError(explain(before, snapshot(self.pool, self.receiver), waited_s=now - waited_since,
+                                           max_staleness=self.pool.max_staleness, endpoint=self.receiver.endpoint,
+                                           key=self.pool.config_key))
 
     def get_state(self) -> dict[str, Any]:
         if self.before_state is not None:

@@ -3,7 +3,11 @@
     torchrun --nproc-per-node 2 recipes/grpo.py --config recipes/configs/tiny_cpu.yaml
     torchrun --nproc-per-node 2 recipes/grpo.py --config recipes/configs/tiny_cpu.yaml --resume
     torchrun --nproc-per-node 2 recipes/grpo.py --config recipes/configs/tiny_cpu.yaml rollout.max_staleness=0
-    torchrun --nproc-per-node 1 recipes/grpo.py --config recipes/configs/tiny_cpu.yaml lora.rank=8 train.lr=0.01
+    torchrun --nproc-per-node 1 recipes/grpo.py --config recipes/configs/tiny_cpu.yaml lora.rank=8 train.lr=0.003
+    torchrun --nproc-per-node 2 recipes/grpo.py --config recipes/configs/tiny_cpu.yaml report_to=[tensorboard]
+
+(LoRA: at ``train.lr=0.01`` the update guard rejects nearly every update of the adapter, whose B matrices start at
+zero; at 0.003 every update is accepted and the reward rises.)
 
 The run file's sections are ``asyncrl.config.RecipeConfig``'s (each component's own config class).
 One knob selects the regime: ``rollout.max_staleness`` = 0 (synchronous, on-policy), 1 (one-step
@@ -22,7 +26,13 @@ trained on), ``checkpoints/step-N`` (model + optimizer via torch.distributed.che
 RNG, config; staged, marked COMPLETE, renamed, then ``latest`` moves: see asyncrl.checkpoint.checkpointer), ``.lock``
 (held by rank 0 while the run lives, naming it: a second run on the directory is refused; asyncrl.checkpoint.run_dir),
 ``dumps/`` (rejected and anomalous batches, msgpack), ``report.png`` (reward and staleness over steps), ``debug/`` (the
-debugger's per-step record and anomalies), ``report/index.html``.
+debugger's per-step record and anomalies), ``report/index.html``, ``samples.jsonl`` (rollouts as text every
+``debug.samples_every`` steps and each anomaly's batch: asyncrl.debug.samples), ``summary.json`` (the end-of-run
+summary, also printed last: asyncrl.debug.summary), and the trackers ``report_to`` names (``tensorboard/``, ``wandb/``,
+``mlflow.db``; their run ids in ``trackers.json``, continued by ``--resume``: asyncrl.integrations.trackers).
+
+The progress bar counts the update guard's verdicts; a run in which every update of this launch was rejected exits
+non-zero after its summary.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import argparse
 import dataclasses
 import gc
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -41,6 +52,7 @@ if __name__ == "__main__":  # a rank: no cyclic collections over the heap the im
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from asyncrl import (  # the public surface: every component the recipe picks
     Checkpointer,
@@ -48,7 +60,6 @@ from asyncrl import (  # the public surface: every component the recipe picks
     PolicySync,
     RecipeConfig,
     ReferencePolicy,
-    RewardSet,
     RolloutLoader,
     RunDirLocked,
     UpdateGuard,
@@ -71,12 +82,18 @@ from asyncrl import (  # the public surface: every component the recipe picks
 )
 from asyncrl._gc import freeze_import_heap
 from asyncrl.codec import dumps_json
+from asyncrl.config import to_dict
 from asyncrl.data.images import processor_inputs, vision_token_ids
 from asyncrl.data.prompts import sft_batch
 from asyncrl.debug.plot import plot
 from asyncrl.debug.rejection import replay_rejection, write_rejected_batch  # noqa: F401 (tests replay from here)
+from asyncrl.debug.samples import SampleLog
+from asyncrl.debug.summary import GuardWatch, format_summary, run_summary, write_summary
+from asyncrl.integrations.trackers import Trackers, resolve_report_to
 from asyncrl.lifeline import die_with_parent, end_run  # noqa: F401 (tests and benchmarks end runs with it)
+from asyncrl.models.loading import check_model_dir
 from asyncrl.pool.timeline import new_incarnation
+from asyncrl.rewards.preflight import reward_columns, try_rewards, worker_env
 from asyncrl.testing.tiny_model import build_tiny_model
 from asyncrl.testing.tiny_vlm import build_tiny_vlm
 from asyncrl.train.losses import all_reduce_sum
@@ -120,7 +137,12 @@ class GRPORecipe:
             build(model_dir, seed=cfg.train.seed, dtype=cfg.model.dtype)
         dist.barrier()
         self.model_dir = model_dir
-        self.prompts = load_prompts(cfg.data, model_dir)  # rendered to token ids once, here; logs what it drops
+        # rendered to token ids once, here; logs what it drops; refuses rows with an empty value the run reads
+        self.prompts = load_prompts(cfg.data, model_dir, required_columns=self._required_columns())
+        # each reward function imported and called on the first prompt now, before the model, the warm start, the
+        # weight channel or any worker: a broken reward fails in seconds, naming itself
+        try_rewards(cfg.rollout.worker.reward, self.prompts[0], key="rollout.worker.reward",
+                    origin=f"{self.prompts.origin}, the first prompt", answer_column=cfg.data.answer_column)
         self.step, self.version = 0, 0
         if cfg.lora.rank and cfg.train.sft_steps:
             self._warm_base_for_lora()
@@ -149,6 +171,15 @@ class GRPORecipe:
         mode = "ab" if latest is not None else "wb"  # a fresh run in an old run_dir starts its logs over
         self.metrics_file = open(self.run_dir / "metrics.jsonl", mode) if self.rank == 0 else None
         self.consumed_file = open(self.run_dir / f"consumed-rank{self.rank}.jsonl", mode)
+        # what the run says about itself: readable samples (every rank), the guard's verdicts, trackers (rank 0)
+        self.launch_from = self.step  # this launch's steps are the later ones: the summary judges those
+        self.guard_watch = GuardWatch(config=to_dict(cfg))
+        self.samples = SampleLog(self.run_dir, self.rank, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+                                 every=cfg.debug.samples_every, per_step=cfg.debug.samples_per_step,
+                                 last_step=cfg.train.steps, append=latest is not None)
+        self.step_samples: list[dict[str, Any]] = []
+        self.trackers = Trackers.open(cfg.report_to if self.rank == 0 else [], cfg.tracking, run_dir=self.run_dir,
+                                      config=to_dict(cfg), resume_step=self.step if latest is not None else None)
         self.debugger = None
         if cfg.debug.enabled:
             engine = cfg.rollout.worker.engine
@@ -160,7 +191,16 @@ class GRPORecipe:
                 "lora_rank": cfg.lora.rank,
             }
             self.debugger = Debugger(self.run_dir, self.rank, cfg.debug, max_staleness=cfg.rollout.max_staleness,
-                                     context=context, append=latest is not None)
+                                     context=context, append=latest is not None, samples=self.samples)
+
+    def _required_columns(self) -> dict[str, str]:
+        """The data columns this run reads besides the prompt, each with who reads it: the reward functions'
+        required arguments, and the warm start's answers."""
+        cfg = self.cfg
+        columns = {} if cfg.rollout.worker.environment else reward_columns(cfg.rollout.worker.reward)
+        if cfg.train.sft_steps:
+            columns[cfg.data.answer_column] = f"the supervised warm start (train.sft_steps={cfg.train.sft_steps})"
+        return columns
 
     def _warm_base_for_lora(self) -> None:
         """LoRA trains an adapter on a frozen base, so the supervised warm start trains the base first and
@@ -214,7 +254,7 @@ class GRPORecipe:
         for _ in range(cfg.sft_steps):
             idx = torch.randint(len(self.prompts), (cfg.sft_batch,), generator=gen).tolist()
             # prompt ids + answer tokens + eos; the loss masks the prompt by its tokens, not its characters
-            ids, labels = sft_batch([self.prompts[i] for i in idx], self.tokenizer)
+            ids, labels = sft_batch([self.prompts[i] for i in idx], self.tokenizer, self.cfg.data.answer_column)
             images = self._images([self.prompts[i].get("images", []) for i in idx])
             loss = self.model(input_ids=ids.to(self.device), labels=labels.to(self.device), **images).loss
             opt.zero_grad()
@@ -245,12 +285,11 @@ class GRPORecipe:
             engine=dataclasses.replace(cfg.rollout.worker.engine, model=self.model_dir, lora_rank=cfg.lora.rank,
                                        dtype=cfg.model.dtype, **({"quantization": "nf4"} if cfg.lora.qlora else {})),
         )
-        RewardSet.from_config(worker.reward).close()  # an unknown reward function fails here, not in every worker
         self.reward_weights = reward_weights(worker.reward)  # loss.multi_objective_aggregation: normalize_then_sum
         # the gate refuses token ids outside the model's vocabulary (a forged or broken worker's)
         gate = dataclasses.replace(cfg.rollout.gate, vocab_size=cfg.rollout.gate.vocab_size or self.policy.config.get_text_config().vocab_size)
         loader_cfg = dataclasses.replace(cfg.rollout, worker=worker, drop_remainder=True, gate=gate)
-        self.loader = RolloutLoader(self.prompts, loader_cfg, incarnation=self.incarnation)
+        self.loader = RolloutLoader(self.prompts, loader_cfg, incarnation=self.incarnation, config_key="rollout")
         # the one owner of the policy version; publishes the current one: workers start from the trainer's weights
         self.sync = PolicySync(self.model, self.loader, self.broadcaster, version=self.version,
                                mode="lora" if cfg.lora.rank else "full", bucket_bytes=cfg.weights.bucket_bytes)
@@ -276,8 +315,11 @@ class GRPORecipe:
                 record["wait_s"] = wait_s
                 t_last = now
                 self._log(record, batch)
+                said = self.guard_watch.observe(self.step, record["accepted"], record["guard_reason"])
+                if said and self.rank == 0:
+                    bar.write(said, file=sys.stderr)
                 bar.set_postfix(reward=f"{record['reward_mean']:.3f}", stale=f"{record['staleness_mean']:.2f}",
-                                rollouts_s=f"{record['rollouts_per_s']:.0f}")
+                                rollouts_s=f"{record['rollouts_per_s']:.0f}", **self.guard_watch.postfix())
                 bar.update()
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                     self.save_checkpoint()
@@ -334,6 +376,9 @@ class GRPORecipe:
             for a in record["anomalies"]:
                 print(f"[rank {self.rank}] step {self.step}: anomaly {a['kind']}: {a['detail']}"
                       + (f" (batch dumped to {self.run_dir / a['dump']})" if a["dump"] else ""), file=sys.stderr)
+        # readable rollouts: every debug.samples_every steps (an anomaly's batch was written whole just above)
+        self.step_samples = self.samples.write(self.step, batch, trainer_version=consumed_version, rewards=rewards,
+                                               advantages=advantages, accepted=accepted) if self.samples.due(self.step) else []
         logged = global_metrics({**{f"loss/{k}": v for k, v in loss_metrics.items()},  # over every rank's tokens
                                  **{f"mismatch/{k}": v for k, v in mismatch.items()}}, self.device)
         return {
@@ -356,6 +401,8 @@ class GRPORecipe:
             record["pipeline"] = pipeline_counters(self.loader, self.broadcaster)
             self.metrics_file.write(dumps_json(record) + b"\n")
             self.metrics_file.flush()
+            self.trackers.log_step(self.step, record)  # report_to: the same numbers, the guard's verdict
+            self.trackers.log_samples(self.step, self.step_samples)
 
     # -- checkpoint --------------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
@@ -371,8 +418,35 @@ class GRPORecipe:
                   f"(testing.pause_in_save_at_step)", file=sys.stderr, flush=True)
             time.sleep(3600)
 
+    # -- the end of the run ------------------------------------------------------------------------------------------
+    def _summarize(self, trained: bool) -> str | None:
+        """Rank 0: ``summary.json``, the trackers' summary and end; returns the text to print last (None when there is
+        nothing to summarise: no step was logged)."""
+        outputs = {f"tracker {name}": where for name, where in self.trackers.locations().items()}
+        if self.cfg.debug.report:
+            outputs["report"] = str(self.run_dir / "report" / "index.html")
+        try:
+            summary = run_summary(self.run_dir, launch_from_step=self.launch_from, outputs=outputs)
+        except ValueError:  # no metrics.jsonl: nothing ran (the run's own error is what the user must see)
+            self.trackers.close(ok=False)
+            return None
+        if not summary["steps"]["total"]:
+            self.trackers.close(ok=False)
+            return None
+        write_summary(self.run_dir, summary)
+        text = format_summary(summary)
+        self.trackers.log_summary(summary, text)
+        self.trackers.close(ok=trained and summary["verdict"] != "every update rejected")
+        return text
+
+    def every_update_rejected(self) -> bool:
+        """This launch trained steps and the guard rejected each of their updates (the same verdicts on every rank)."""
+        return self.guard_watch.rejected > 0 and self.guard_watch.accepted == 0
+
     # -- cleanup -----------------------------------------------------------------------------------------------------
-    def cleanup(self) -> None:
+    def cleanup(self, trained: bool = True) -> None:
+        """Closes everything after a run that ended well; rank 0 writes the end-of-run summary (``summary.json``, the
+        trackers), the report, and prints the summary last. A failed run leaves through :meth:`abort` instead."""
         self.loader.close()
         if self.debugger is not None:
             self.debugger.close()
@@ -380,17 +454,56 @@ class GRPORecipe:
         self.consumed_file.close()
         if self.metrics_file is not None:
             self.metrics_file.close()
+            try:
+                text = self._summarize(trained)
+            except Exception as e:  # a failed run's summary must not hide the run's own error, raised after this
+                if trained:
+                    raise
+                text = f"[rank 0] no run summary (the run failed): {e!r}"
             if self.cfg.debug.report:
                 plot(self.run_dir)
                 from asyncrl.debug.report import write_report
 
                 print(f"report: {write_report(self.run_dir)}", file=sys.stderr)
+            if text:
+                print(text, file=sys.stderr, flush=True)
         dist.barrier()
         dist.destroy_process_group()
         if self.run_lock is not None:  # last: the run directory is this run's until everything above is written
             self.run_lock.release()
 
+    def abort(self, error: BaseException) -> None:
+        """A failed run: one line naming this rank and the error, then whatever was started is closed (the workers,
+        the weight channel and its shared memory, the run-directory lock), each step on its own so that none of them
+        hides the error (nothing is plotted or reported: the records may be empty)."""
+        rank = getattr(self, "rank", os.environ.get("RANK", "?"))
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        print(f"[rank {rank}] grpo failed: {type(error).__name__}: {first}", file=sys.stderr, flush=True)
+        for name, close in (("loader", lambda: self.loader.close()), ("debugger", lambda: self.debugger.close()),
+                            ("weight_sync", lambda: self.weight_sync.close()),
+                            ("consumed_file", lambda: self.consumed_file.close()),
+                            ("metrics_file", lambda: self.metrics_file.close()),
+                            ("trackers", lambda: self.trackers.close(ok=False)),  # their runs end as failed
+                            ("run_lock", lambda: self.run_lock.release())):
+            if getattr(self, name, None) is None:
+                continue
+            try:
+                close()
+            except Exception as e:  # deliberate: the run's own error is the one to report; this one is secondary
+                print(f"[rank {rank}] (while closing {name} after the failure: {type(e).__name__}: {e})",
+                      file=sys.stderr)
 
+
+def _import_path(run_file: str | None) -> None:
+    """``module:function`` names (rewards, losses) are found in the working directory and the run file's directory
+    too, in this rank and in its local workers (which get the directory a reward module came from on their
+    ``PYTHONPATH``: asyncrl.rewards.preflight)."""
+    for directory in (os.getcwd(), str(Path(run_file).resolve().parent) if run_file else None):
+        if directory and directory not in sys.path:
+            sys.path.append(directory)
+
+
+@record  # torchrun's summary names the first failing rank with its exception (torch.distributed.elastic)
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML run file (recipes/configs/*.yaml)")
@@ -399,15 +512,27 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cfg = load_config(args.config, args.overrides)
+    if cfg.model.path is not None:  # asyncrl's own message, before anything loads it
+        check_model_dir(cfg.model.path, key="model.path")
+    _import_path(args.config)
+    os.environ.update(worker_env(cfg.rollout.worker.reward))  # before the prestart: the workers import them too
+    resolve_report_to(cfg.report_to)  # a tracker that is not installed: refused before any process starts
     RolloutLoader.prestart_workers(cfg.rollout)  # the local workers' imports overlap this rank's whole set-up
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     torch.set_num_threads(cfg.train.threads or trainer_threads(local_ranks, local_ranks * cfg.rollout.num_workers))
+    # torchrun ends the other ranks with SIGTERM when one fails: leave through abort() (workers, shared memory)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     recipe = GRPORecipe(cfg, resume=args.resume)
-    recipe.setup()
     try:
+        recipe.setup()
         recipe.train()
-    finally:
-        recipe.cleanup()
+    except BaseException as e:
+        recipe.abort(e)
+        raise
+    recipe.cleanup()
+    if recipe.every_update_rejected():  # the summary said why, loudly; the exit status says it to scripts
+        raise SystemExit(f"[rank {recipe.rank}] every one of the {recipe.guard_watch.rejected} updates of this run was "
+                         "rejected by the update guard: the policy did not train (see the run summary above)")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """A synthetic run directory in the exact layout ``recipes/grpo.py`` and the debugger write, for report tests.
 
 ``make_run`` writes ``metrics.jsonl``, ``config.json`` and, unless ``debug=False``, ``debug/steps-rank{r}.jsonl``,
-``debug/anomalies.jsonl`` and the ``dumps/*.msgpack`` the anomalies name. ``parse_page`` reads a report page
+``debug/anomalies.jsonl``, the ``dumps/*.msgpack`` the anomalies name and ``samples.jsonl`` (every 10 steps and each
+anomaly's batch, with a completion that tries to break out of its table cell: :data:`HOSTILE`). ``parse_page`` reads a report page
 (as written, or as a browser dumped it) back into its sections.
 """
 
@@ -20,6 +21,11 @@ IMPORTANCE_RATIO_EDGES = [0.5, 0.8, 0.9, 0.95, 0.99, 0.999, 1.001, 1.01, 1.05, 1
 QUANTILES = ("1", "5", "25", "50", "75", "95", "99")
 WORKERS = ("worker-a", "worker-b")
 REJECTED_STEP = 17
+SAMPLE_EVERY = 10
+HOSTILE = "7</td></tr><script>alert('completion')</script>"
+"""A completion that would end its cell and run a script if the report did not escape it."""
+LONG_PROMPT = "Solve step by step. " * 20 + "What is 3+4?"
+"""A prompt longer than the table's preview: folded behind its start."""
 ANOMALIES = (  # (step, rank, kind, dump name or None)
     (9, 0, "logprob_spike", "step-000009-rank0.msgpack"),
     (23, 1, "reward_collapse", "step-000023-rank1.msgpack"),
@@ -122,11 +128,35 @@ def make_run(run_dir: Path, *, steps: int = 40, ranks: int = 2, debug: bool = Tr
                      [_record(row["step"], rank, row["time"], rng, row) for row in metrics])
     _write_jsonl(run_dir / "debug" / "anomalies.jsonl", [
         {"step": s, "rank": r, "kind": kind, "detail": f"synthetic {kind} <at> step {s}", "dump": f"dumps/{name}",
-         "time": float(times[s - 1])} for s, r, kind, name in ANOMALIES])
+         "samples": {"file": "samples.jsonl", "step": s, "rank": r}, "time": float(times[s - 1])}
+        for s, r, kind, name in ANOMALIES])
+    _write_jsonl(run_dir / "samples.jsonl", _samples(steps, ranks, rng))
     (run_dir / "dumps").mkdir(exist_ok=True)
     for *_, name in ANOMALIES:
         (run_dir / "dumps" / name).write_bytes(b"\x82\xa4kind\xa7anomaly")
     return run_dir
+
+
+def _samples(steps: int, ranks: int, rng: np.random.Generator) -> list[dict[str, Any]]:
+    """Sample lines as ``asyncrl.debug.samples`` writes them: 4 rows per rank every ``SAMPLE_EVERY`` steps (and the
+    first), 8 per anomaly's batch (one with a long prompt, one with :data:`HOSTILE`)."""
+    anomalous = {(s, r) for s, r, *_ in ANOMALIES}
+    blocks = sorted({(s, r) for s in range(1, steps + 1) for r in range(ranks) if s == 1 or s % SAMPLE_EVERY == 0}
+                    | anomalous)
+    out = []
+    for step, rank in blocks:
+        why = "anomaly" if (step, rank) in anomalous else "every"
+        for i in range(8 if why == "anomaly" else 4):
+            reward = float(rng.integers(0, 2))
+            out.append({
+                "step": step, "rank": rank, "why": why, "uid": f"e0-p{step * 10 + rank}-s{i}",
+                "group_id": f"e0-p{step * 10 + rank}", "worker_id": WORKERS[rank % 2],
+                "prompt": LONG_PROMPT if i == 1 else "3+4=", "completion": HOSTILE if i == 0 and why == "anomaly" else "7",
+                "reward": reward, "rewards": {"exact": reward, "format": 1.0}, "advantage": reward - 0.5,
+                "rollout_logprob": -1.5, "rollout_logprob_mean": -0.75, "response_tokens": 2, "finish_reason": "stop",
+                "policy_version": step - 1, "trainer_version": step, "staleness": 1, "accepted": step != REJECTED_STEP,
+            })
+    return out
 
 
 @dataclasses.dataclass

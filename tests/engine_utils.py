@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from asyncrl.train.logprobs import token_logprobs
 from asyncrl.rollout import Group, Rollout
+from asyncrl.train.logprobs import token_logprobs
 from asyncrl.weights.base import WeightUpdate
 from datapipes.collate import collate_groups
 from workers.engines.base import Completion

@@ -54,8 +54,9 @@ class WorkerContext(Protocol):
         """Sends a lease's group back to the pool that granted it, and counts it."""
         ...
 
-    def lease_failed(self, lease: ReceivedLease, error: Exception) -> None:
-        """Reports one lease FAILED with the error's text (the pool counts it against the prompt)."""
+    def lease_failed(self, lease: ReceivedLease, error: Exception, culprit: str | None = None) -> None:
+        """Reports one lease FAILED with the error's text and what failed (``culprit``; default: the error's own,
+        else ``engine``); the pool counts it against the prompt."""
         ...
 
     def report(self) -> None:

@@ -12,6 +12,13 @@ doubled for each further death of a worker that ran less than ``backoff_max_s`` 
 stayed up that long resets the slot's backoff), at most ``max_restarts`` times per slot (None:
 always). Every death, delay and restart is logged and counted in :meth:`~LocalWorkerLauncher.stats`.
 
+A worker that cannot start is not restarted forever: a slot whose worker died ``max_failed_starts`` times in a row
+before serving (the loader tells the launcher which processes delivered a group: :meth:`~LocalWorkerLauncher.served`)
+with the same error each time (the last line of its stderr, numbers aside: :func:`workers._stderr.signature`) is
+given up, and :meth:`~LocalWorkerLauncher.start_error` returns a :class:`WorkerStartError` with the worker's last
+stderr lines, which the loader raises from ``next()``. Each worker's stderr goes to the trainer's stderr as before,
+through a pipe whose last lines are kept (:class:`workers._stderr.StderrTail`).
+
 Start-up: a worker's first start takes a process :func:`workers.prestart.prestart_workers` started earlier,
 if one is waiting with the same environment (its imports overlapped the trainer's start-up); restarts are cold.
 
@@ -34,11 +41,33 @@ from typing import Any
 
 from asyncrl.codec import dumps_json
 from asyncrl.config import TransportConfig, WorkerConfig, to_dict
+from workers._stderr import StderrTail, signature
 from workers.prestart import take_prestarted, worker_env
 
-__all__ = ["LocalWorkerLauncher", "pin_device"]
+__all__ = ["LocalWorkerLauncher", "WorkerStartError", "pin_device"]
 
 logger = logging.getLogger(__name__)
+
+
+class WorkerStartError(RuntimeError):
+    """A local worker died ``deaths`` times in a row before serving, with the same error each time: it cannot start.
+
+    Attributes:
+        worker_id: the worker's id (``{name}-{slot}``).
+        deaths: its deaths in a row before a first group.
+        returncode: the last process's exit status (negative: killed by that signal).
+        stderr: the last lines the last process wrote to stderr.
+    """
+
+    def __init__(self, worker_id: str, deaths: int, returncode: int | None, stderr: str):
+        self.worker_id, self.deaths, self.returncode, self.stderr = worker_id, deaths, returncode, stderr
+        last = next((line.strip() for line in reversed(stderr.splitlines()) if line.strip()),
+                    f"exit status {returncode}, nothing on stderr")
+        super().__init__(f"rollout worker {worker_id} cannot start: it died {deaths} times in a row before its first "
+                         f"group, each time with: {last}\n--- its last stderr lines ---\n{stderr}")
+
+    def __reduce__(self):  # picklable across processes
+        return type(self), (self.worker_id, self.deaths, self.returncode, self.stderr)
 
 
 class LocalWorkerLauncher:
@@ -54,6 +83,8 @@ class LocalWorkerLauncher:
         backoff_s: wait before the first restart of a slot; doubled per further quick death.
         backoff_max_s: longest wait; a worker up for this long resets its slot's backoff.
         env: extra environment variables for the workers.
+        max_failed_starts: deaths in a row before serving, with the same error, after which a slot is given up
+            (:meth:`start_error`); None: restarts as ``max_restarts`` says, whatever the error.
         device_offset: the global index of slot 0 (``rank * num_workers``): slot ``i`` gets
             ``worker.devices[(device_offset + i) % len(worker.devices)]``.
         clock: monotonic seconds (tests pass a fake).
@@ -71,11 +102,14 @@ class LocalWorkerLauncher:
         backoff_s: float = 1.0,
         backoff_max_s: float = 60.0,
         env: dict[str, str] | None = None,
+        max_failed_starts: int | None = None,
         device_offset: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ):
         if max_restarts is not None and max_restarts < 0:
             raise ValueError(f"{max_restarts=} must be >= 0 (or None: unlimited)")
+        if max_failed_starts is not None and max_failed_starts < 1:
+            raise ValueError(f"{max_failed_starts=} must be >= 1 (or None: no limit)")
         if not 0 <= backoff_s <= backoff_max_s:
             raise ValueError(f"need 0 <= {backoff_s=} <= {backoff_max_s=}")
         self.endpoints = list(endpoints)
@@ -90,6 +124,14 @@ class LocalWorkerLauncher:
         self.device_offset = device_offset
         self.env = worker_env(env)
         self.procs: list[subprocess.Popen | None] = [None] * num_workers
+        self.max_failed_starts = max_failed_starts
+        self.tails: list[StderrTail | None] = [None] * num_workers
+        """The stderr tail of each slot's last process."""
+        self.failed_starts = [0] * num_workers
+        """Deaths in a row before serving per slot, with the same error (:func:`workers._stderr.signature`)."""
+        self._served = [False] * num_workers  # the slot's current process delivered a group
+        self._failure: list[str | None] = [None] * num_workers  # the signature of the slot's last death before serving
+        self._start_errors: list[WorkerStartError | None] = [None] * num_workers
         self.restarts = [0] * num_workers
         """Restarts used per slot."""
         self.deaths = [0] * num_workers
@@ -127,12 +169,46 @@ class LocalWorkerLauncher:
         argv = self._argv(i)
         # a first start takes a prestarted interpreter (workers.prestart: its imports are done) if one waits
         warm = take_prestarted(argv, self.env) if self.restarts[i] == 0 and self.deaths[i] == 0 else None
-        self.procs[i] = warm or subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL)
+        self.procs[i] = warm or subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.tails[i] = StderrTail.attach(self.procs[i])  # shown as before, its last lines kept
+        self._served[i] = False
         logger.info("started worker %s-%d (pid %d%s)", self.name, i, self.procs[i].pid, ", prestarted" if warm else "")
 
     @property
     def pids(self) -> list[int | None]:
         return [p.pid if p is not None else None for p in self.procs]
+
+    def served(self, pids: Any) -> None:
+        """Marks the workers whose process ids are in ``pids`` as having delivered a group: their deaths are not
+        failed starts (the loader passes the pids its pool received groups from)."""
+        pids = set(pids)
+        for i, p in enumerate(self.procs):
+            if p is not None and p.pid in pids and not self._served[i]:
+                self._served[i] = True
+                self.failed_starts[i], self._failure[i] = 0, None
+
+    def start_error(self) -> WorkerStartError | None:
+        """The error of the first slot given up because its worker cannot start (see the module docstring), or None."""
+        return next((e for e in self._start_errors if e is not None), None)
+
+    def stderr_tail(self, i: int) -> str:
+        """The last stderr lines of slot ``i``'s last process ("" if it has none)."""
+        tail = self.tails[i]
+        return tail.text() if tail is not None else ""
+
+    def _failed_start(self, i: int, returncode: int) -> bool:
+        """Counts a death of slot ``i``'s worker; True if the slot is given up (it cannot start)."""
+        if self._served[i]:
+            self.failed_starts[i], self._failure[i] = 0, None
+            return False
+        tail = self.stderr_tail(i)
+        failure = signature(tail, returncode)
+        self.failed_starts[i] = self.failed_starts[i] + 1 if failure == self._failure[i] else 1
+        self._failure[i] = failure
+        if self.max_failed_starts is None or self.failed_starts[i] < self.max_failed_starts:
+            return False
+        self._start_errors[i] = WorkerStartError(f"{self.name}-{i}", self.failed_starts[i], returncode, tail)
+        return True
 
     def poll(self, restart: bool = True) -> list[tuple[int, int]]:
         """Finds workers that exited and schedules their restarts; starts those now due. Never blocks.
@@ -151,7 +227,11 @@ class LocalWorkerLauncher:
                 dead.append((i, p.returncode))
                 self.procs[i] = None
                 self.deaths[i] += 1
-                if restart and (self.max_restarts is None or self.restarts[i] < self.max_restarts):
+                if not self.closed and self._failed_start(i, p.returncode):
+                    logger.error("worker %s-%d (pid %d) exited with %s before its first group, %d times in a row with "
+                                 "the same error; not restarted: it cannot start", self.name, i, p.pid, p.returncode,
+                                 self.failed_starts[i])
+                elif restart and (self.max_restarts is None or self.restarts[i] < self.max_restarts):
                     delay = self._backoff(i, ran_s=now - self._started_at[i])
                     self._restart_at[i] = now + delay
                     self.restart_delays[i].append(delay)
@@ -194,6 +274,7 @@ class LocalWorkerLauncher:
             "max_restarts": self.max_restarts,
             "pending_restarts": self.pending_restarts,
             "last_restart_delay_s": [d[-1] if d else None for d in self.restart_delays],
+            "failed_starts": list(self.failed_starts),
         }
 
     def alive(self) -> int:

@@ -27,6 +27,8 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from workers._stderr import StderrTail
+
 __all__ = ["IMPORT_TIME_ENV", "await_argv", "end_prestarted", "prestart_workers", "take_prestarted", "worker_env"]
 
 logger = logging.getLogger(__name__)
@@ -62,7 +64,8 @@ def prestart_workers(n: int, *, engine: str = "hf", env: dict[str, str] | None =
     full_env = worker_env(env)
     argv = [sys.executable, "-m", "workers", "--parent-pid", str(os.getpid()), "--await-argv", "--preload", engine]
     for _ in range(n):
-        proc = subprocess.Popen(argv, env=full_env, stdin=subprocess.PIPE)
+        proc = subprocess.Popen(argv, env=full_env, stdin=subprocess.PIPE, stderr=subprocess.PIPE)
+        StderrTail.register(proc)  # its stderr shown as before, and kept for a launcher's error (workers._stderr)
         _prestarted.append((proc, full_env))
         logger.info("prestarted worker process %d (preloading %s)", proc.pid, engine)
     if n:

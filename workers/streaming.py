@@ -41,6 +41,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+
 from asyncrl.rewards.reward_set import RewardError
 from asyncrl.transport import ReceivedLease
 from workers.context import WorkerContext
@@ -196,7 +197,7 @@ class StreamingLoop:
             self.w.engine.submit(key, request)
         except Exception as e:  # deliberate fault tolerance: this lease fails, the batch goes on
             del self.in_flight[key]
-            self.w.lease_failed(lease, e)
+            self.w.lease_failed(lease, e, "engine")
 
     def _apply_staged(self) -> None:
         """Between two polls: the newest staged update, with requests in flight (the worker times the pause)."""
@@ -225,7 +226,7 @@ class StreamingLoop:
                 logger.warning("worker %s: engine returned unknown request key %d", self.w.worker_id, f.key)
                 continue
             if f.error is not None:
-                self.w.lease_failed(entry.lease, f.error)
+                self.w.lease_failed(entry.lease, f.error, "engine")
             elif f.aborted or entry.incarnation != self.w.engine.incarnation:
                 # aborted by an in-flight update, or generated (in part) under another trainer incarnation's
                 # weights: nothing of it is sent; the lease is generated again, once per abort

@@ -43,11 +43,11 @@ from typing import Any
 from asyncrl._logging import Throttle
 from asyncrl.config import FaultConfig, TransportConfig, WorkerConfig
 from asyncrl.data.images import image_provenance, prompt_images
+from asyncrl.pool.admission import MAX_STATUS_KEYS
 from asyncrl.rewards.legacy import RewardFn
 from asyncrl.rewards.reward_set import RewardError, RewardSet
 from asyncrl.rollout import Group, Rollout, make_group_id
 from asyncrl.transport import ReceivedLease, RolloutSender, setup_rollout_sender
-from asyncrl.pool.admission import MAX_STATUS_KEYS
 from asyncrl.weights.verify import WeightVerifier
 from workers import faults
 from workers.engines import Completion, Engine, GenerationRequest, build_engine
@@ -274,6 +274,7 @@ class RolloutWorker:
         ]
         t0 = time.perf_counter()
         failure: Exception | None = None
+        culprit = "environment" if self.environment is not None else "engine"  # what a failure is blamed on
         try:
             if self.environment is not None:
                 completions = run_episodes(self.engine, self.environment, requests)
@@ -288,6 +289,7 @@ class RolloutWorker:
             else:
                 completions = self.engine.generate(requests)
             t1 = time.perf_counter()
+            culprit = "worker"  # from here on: not the engine's (reward functions report their own per group)
             if self.engine.incarnation != incarnation:  # weights of another trainer incarnation applied mid-batch
                 raise RuntimeError(f"trainer incarnation changed from {incarnation!r} to {self.engine.incarnation!r} "
                                    "during generation (the trainer was resumed); the batch is regenerated")
@@ -297,7 +299,7 @@ class RolloutWorker:
         finally:
             self.busy_s += time.perf_counter() - t0
         if failure is not None:
-            self._failed(leases, failure)
+            self._failed(leases, failure, culprit)
             return
         for lease, group in zip(leases, groups):
             if isinstance(group, RewardError):  # this group's reward failed: its lease alone, nothing regenerated
@@ -313,7 +315,7 @@ class RolloutWorker:
         self.rollouts_sent += len(group.rollouts)
         self.tokens_generated += sum(int(r.response_ids.numel()) for r in group.rollouts)
 
-    def _failed(self, leases: Sequence[ReceivedLease], error: Exception) -> None:
+    def _failed(self, leases: Sequence[ReceivedLease], error: Exception, culprit: str) -> None:
         """Reports a failed lease to its pool; a failed batch of several is retried lease by lease first."""
         text = "".join(traceback.format_exception_only(type(error), error)).strip()
         if len(leases) > 1:
@@ -322,15 +324,18 @@ class RolloutWorker:
             for lease in leases:
                 self.step([lease])
             return
-        self.lease_failed(leases[0], error)
+        self.lease_failed(leases[0], error, culprit)
 
-    def lease_failed(self, lease: ReceivedLease, error: Exception) -> None:
-        """Reports one lease FAILED with the error's text (the pool counts it against the prompt)."""
+    def lease_failed(self, lease: ReceivedLease, error: Exception, culprit: str | None = None) -> None:
+        """Reports one lease FAILED with the error's text and what failed (the pool counts it against the prompt):
+        ``culprit``, else the error's own (a :class:`~asyncrl.rewards.RewardError`'s ``reward`` or ``decode``), else
+        ``engine``."""
         text = "".join(traceback.format_exception_only(type(error), error)).strip()
+        culprit = culprit or getattr(error, "culprit", None) or "engine"
         self.lease_failures += 1
-        self.throttle.warning("lease_failed", "worker %s: lease %d (prompt %d of epoch %d) failed",
-                               self.worker_id, lease.lease_id, lease.prompt_index, lease.epoch, exc_info=error)
-        self.sender.send_failed(lease, text)
+        self.throttle.warning("lease_failed", "worker %s: lease %d (prompt %d of epoch %d) failed (%s)",
+                               self.worker_id, lease.lease_id, lease.prompt_index, lease.epoch, culprit, exc_info=error)
+        self.sender.send_failed(lease, text, culprit=culprit)
 
     def _groups(self, leases: Sequence[ReceivedLease], completions: list[list[Completion]],
                 generate_s: float) -> list[Group | RewardError]:

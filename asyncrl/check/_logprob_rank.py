@@ -37,8 +37,8 @@ def main(argv: list[str]) -> int:
     from asyncrl.check.logprobs import token_metrics
     from asyncrl.codec import dumps_json
     from asyncrl.debug.dump import read_dump
-    from asyncrl.train.parallel import parallelize
     from asyncrl.rollout import Group
+    from asyncrl.train.parallel import parallelize
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -85,7 +85,13 @@ def parse_context(argv: list[str]) -> tuple[CheckContext, list[str], str | None]
 
     parser = _parser()
     a = parser.parse_args(argv)
-    if not Path(a.model, "config.json").is_file():
+    from asyncrl.models.loading import ModelDirError, check_model_dir
+
+    try:  # the message every entry point gives for a path that is not a model (config.json, weights, headers)
+        check_model_dir(a.model, key="--model")
+    except ModelDirError as e:
+        parser.error(str(e).partition("; `asyncrl check")[0])
+    if not Path(a.model, "config.json").is_file():  # a hub id: check needs the directory itself
         parser.error(f"--model {a.model} is not a model directory (no config.json)")
     try:
         ranks = sorted({int(r) for r in a.ranks.split(",") if r.strip()})

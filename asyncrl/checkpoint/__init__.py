@@ -5,7 +5,7 @@
 continued from the resumed step.
 """
 
-from asyncrl.checkpoint.checkpointer import SAVE_POINTS, Checkpointer, CheckpointDir, TrainerState
+from asyncrl.checkpoint.checkpointer import SAVE_POINTS, CheckpointDir, Checkpointer, TrainerState
 from asyncrl.checkpoint.run_dir import RunDirLocked, continue_records, hold_run_dir, record_files
 
 __all__ = ["SAVE_POINTS", "CheckpointDir", "Checkpointer", "RunDirLocked", "TrainerState", "continue_records",

@@ -1,7 +1,7 @@
 """The run directory: held by one run at a time, its records continued from the resumed step.
 
 A run directory holds a run's checkpoints and its records (``metrics.jsonl``, ``consumed-rank{r}.jsonl``,
-``debug/steps-rank{r}.jsonl``, ``debug/anomalies.jsonl``). Two runs writing into one directory, or a
+``debug/steps-rank{r}.jsonl``, ``debug/anomalies.jsonl``, ``samples.jsonl``). Two runs writing into one directory, or a
 resumed run appending after lines of steps it rolled back, make every report and every exactly-once
 count wrong. Two rules keep it one run's history:
 
@@ -180,11 +180,11 @@ def hold_run_dir(run_dir: str | os.PathLike) -> RunDirLock | None:
 
 def record_files(run_dir: str | os.PathLike, rank: int) -> list[Path]:
     """The record files rank ``rank`` continues on resume: its consumed log and debugger steps; rank 0 also the
-    shared ``metrics.jsonl`` and ``debug/anomalies.jsonl``."""
+    shared ``metrics.jsonl``, ``debug/anomalies.jsonl`` and ``samples.jsonl``."""
     run_dir = Path(run_dir)
     paths = [run_dir / f"consumed-rank{rank}.jsonl", run_dir / "debug" / f"steps-rank{rank}.jsonl"]
     if rank == 0:
-        paths += [run_dir / "metrics.jsonl", run_dir / "debug" / "anomalies.jsonl"]
+        paths += [run_dir / "metrics.jsonl", run_dir / "debug" / "anomalies.jsonl", run_dir / "samples.jsonl"]
     return paths
 
 

@@ -16,22 +16,25 @@ module                        classes                              run file sect
                               ``LossConfig``, ``GuardConfig``,     ``lora``, ``checkpoint``
                               ``LoraConfig``, ``CheckpointConfig``
 :mod:`~.debug`                ``DebugConfig``                      ``debug``
+:mod:`~.tracking`             ``TrackingConfig``                   ``tracking`` (and ``report_to``)
 :mod:`~.testing`              ``TestingConfig``, ``FaultConfig``   ``testing`` (the project's tests only)
 :mod:`~.recipe`               ``RecipeConfig``                     the whole run file of ``recipes/grpo.py``
 ============================  ===================================  =========================================
 
 Configs are plain data so they travel as JSON to worker processes and load from files: :func:`from_dict` (unknown
-keys refused, renamed ones with their new name: :mod:`~.renames`), :func:`to_dict`, :func:`load_run_file` and
-:func:`apply_overrides` (dotted ``KEY=VALUE``, YAML values: the one override grammar).
+keys refused with the closest known one, :func:`check_keys`; renamed ones with their new name: :mod:`~.renames`),
+:func:`to_dict`, :func:`load_run_file` and :func:`apply_overrides` (dotted ``KEY=VALUE``, YAML values: the one
+override grammar).
 """
 
-from asyncrl.config._load import apply_overrides, from_dict, load_run_file, to_dict
+from asyncrl.config._load import apply_overrides, check_keys, from_dict, load_run_file, to_dict
 from asyncrl.config.data import DataConfig
 from asyncrl.config.debug import DebugConfig
 from asyncrl.config.engine import EngineConfig, FakeEngineConfig, HFEngineConfig, ModelEngineConfig, VllmEngineConfig
 from asyncrl.config.loader import GateConfig, LoaderConfig
 from asyncrl.config.recipe import RecipeConfig, load_config
 from asyncrl.config.testing import FaultConfig, TestingConfig
+from asyncrl.config.tracking import TrackingConfig
 from asyncrl.config.train import CheckpointConfig, GuardConfig, LoraConfig, LossConfig, ModelConfig, TrainConfig
 from asyncrl.config.transport import TransportConfig
 from asyncrl.config.weights import WeightSyncConfig
@@ -55,12 +58,14 @@ __all__ = [
     "RecipeConfig",
     "RewardConfig",
     "TestingConfig",
+    "TrackingConfig",
     "TrainConfig",
     "TransportConfig",
     "VllmEngineConfig",
     "WeightSyncConfig",
     "WorkerConfig",
     "apply_overrides",
+    "check_keys",
     "from_dict",
     "load_config",
     "load_run_file",

@@ -2,13 +2,15 @@
 
 One grammar for every override, wherever it is given (``recipes/grpo.py ... train.steps=50``, ``asyncrl worker
 --set worker.slots=8``): a dotted key, ``=``, a YAML value (``0``, ``1e-4``, ``true``, ``null``, ``[a, b]``,
-``{k: v}``, a bare string). Unknown keys are refused; a key that was renamed or moved is refused with its new name
-(:mod:`asyncrl.config.renames`); an engine field of another engine type is refused with the type it belongs to.
+``{k: v}``, a bare string). Unknown keys are refused, naming the closest known key ("did you mean"); a key that was
+renamed or moved is refused with its new name (:mod:`asyncrl.config.renames`); an engine field of another engine type
+is refused with the type it belongs to.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 import types
 import typing
@@ -21,7 +23,7 @@ import yaml
 from asyncrl.config.engine import FIELD_NOTES, engine_field_owners
 from asyncrl.config.renames import renamed
 
-__all__ = ["apply_overrides", "from_dict", "load_run_file", "to_dict"]
+__all__ = ["apply_overrides", "check_keys", "closest", "from_dict", "load_run_file", "to_dict"]
 
 C = TypeVar("C")
 
@@ -78,7 +80,32 @@ def _refuse_unknown(cls: type, unknown: list[str], path: str) -> None:
             raise ValueError(f"{path}{key} is a {'/'.join(owners)} engine field; "
                              f"this engine is type {kind}" + (f" ({note})" if note else ""))
     known = sorted(f.name for f in dataclasses.fields(cls))
-    raise ValueError(f"unknown {cls.__name__} keys {unknown}; known: {known}")
+    guesses = [f"{path}{key}: did you mean {path}{match}?" if (match := closest(key, known)) else f"{path}{key}"
+               for key in unknown]
+    raise ValueError(f"unknown {cls.__name__} key{'s' if len(unknown) > 1 else ''} {'; '.join(guesses)} "
+                     f"(known: {', '.join(known)})")
+
+
+def closest(key: str, known: Iterable[str]) -> str | None:
+    """The known key closest to a misspelt ``key`` (``difflib``), or None when none is close."""
+    known = list(known)
+    by_case = {k.lower(): k for k in known}
+    if key.lower() in by_case:
+        return by_case[key.lower()]
+    matches = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def check_keys(cls: type, keys: Iterable[str], path: str = "") -> None:
+    """Refuses keys that are not fields of the config class ``cls`` (``path``: their dotted prefix in the run file).
+
+    Raises:
+        ValueError: naming each unknown key with the closest known one ("did you mean"), or its new name if it was
+            renamed, or the engine type it belongs to.
+    """
+    fields = {f.name for f in dataclasses.fields(cls)}
+    if unknown := sorted(set(keys) - fields):
+        _refuse_unknown(cls, unknown, path)
 
 
 def from_dict(cls: type[C], data: dict[str, Any], _path: str = "") -> C:
@@ -94,10 +121,7 @@ def from_dict(cls: type[C], data: dict[str, Any], _path: str = "") -> C:
     """
     cls = _variant(cls, data, _path)
     hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - fields)
-    if unknown:
-        _refuse_unknown(cls, unknown, _path)
+    check_keys(cls, data, _path)
     kwargs = {}
     for name, value in data.items():
         sub = next((t for t in (hints[name], *typing.get_args(hints[name])) if dataclasses.is_dataclass(t)), None)

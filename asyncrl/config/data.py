@@ -36,6 +36,9 @@ class DataConfig:
     ``messages``, ``prompt``, ``text``, ``question`` the data has."""
     columns: list[str] | None = None
     """Other columns carried with each prompt to the reward functions (``answer``, ``metadata``, ...); None: all."""
+    answer_column: str = "answer"
+    """The column holding each prompt's reference answer, which the supervised warm start (``train.sft_steps``)
+    trains on; with ``train.sft_steps`` > 0 every row must have a non-empty value in it."""
     num_prompts: int | None = None
     """``datasets``: keep the first n rows (None: all); ``arithmetic`` and ``reasoning_gym``: generate n prompts
     (None: 1024)."""
@@ -64,5 +67,7 @@ class DataConfig:
             raise ValueError("data.source='reasoning_gym' needs data.task, e.g. data.task=basic_arithmetic")
         if self.num_prompts is not None and self.num_prompts < 1:
             raise ValueError(f"data.num_prompts={self.num_prompts} must be >= 1 (or None)")
+        if not self.answer_column:
+            raise ValueError("data.answer_column must name a column (the warm start's reference answers), e.g. answer")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"data.max_prompt_length={self.max_prompt_length} must be >= 1 (or None)")

@@ -41,6 +41,15 @@ class DebugConfig:
     """Rank 0 draws ``report.png`` and writes ``report/index.html`` when the run ends (a few seconds of matplotlib,
     independent of ``enabled``). Off, the run leaves only their inputs (``metrics.jsonl``, ``debug/``):
     ``asyncrl report RUN_DIR`` writes the page from them later. Tests that do not look at the report turn it off."""
+    samples_every: int = 10
+    """Every this many steps (and at the first and the last), each rank appends ``samples_per_step`` of its batch's
+    rollouts to ``run_dir/samples.jsonl``: prompt and completion decoded with the run's tokenizer, each reward
+    component, the rollout logprob, policy version and staleness (``asyncrl.debug.samples``); rank 0's go to the
+    trackers (``report_to``) as a table. 0: none periodically (an anomaly's batch is still written while
+    ``enabled``)."""
+    samples_per_step: int = 8
+    """Rollouts written per sampled step and rank: the batch's first rows, so whole groups first. An anomaly's batch
+    is written whole (at most ``max_dumps`` of them, as its dump), and its anomaly line names those rows."""
 
     def __post_init__(self):
         unknown = set(self.detectors) - set(DETECTORS)
@@ -48,3 +57,6 @@ class DebugConfig:
             raise ValueError(f"unknown debug.detectors {sorted(unknown)}; choose from {list(DETECTORS)}")
         if self.window < 1 or self.min_history < 1 or self.logprob_tol <= 0:
             raise ValueError(f"need {self.window=} >= 1, {self.min_history=} >= 1, {self.logprob_tol=} > 0")
+        if self.samples_every < 0 or self.samples_per_step < 1:
+            raise ValueError(f"debug.samples_every={self.samples_every} must be >= 0 (0: off) and "
+                             f"debug.samples_per_step={self.samples_per_step} >= 1")

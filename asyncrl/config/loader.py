@@ -99,6 +99,11 @@ class LoaderConfig:
     that ran less than ``restart_backoff_max_s``, up to ``restart_backoff_max_s`` (a longer run resets it)."""
     restart_backoff_max_s: float = 60.0
     """Longest wait between restarts of a slot; a worker that stayed up this long resets its slot's backoff."""
+    max_failed_starts: int | None = 3
+    """A local worker that dies this many times in a row before its first group, with the same error each time
+    (its last stderr line), cannot start: it is not restarted again and ``next()`` raises
+    ``WorkerStartError`` with its last stderr lines. Workers that did serve are restarted as ``restart_workers``
+    says. None: restart as ``restart_workers`` says, whatever the error."""
     max_prompt_failures: int | None = 3
     """A prompt whose leases come back FAILED (engine or reward error) this many times in an epoch is
     poisoned (``on_poisoned_prompt``); None = re-issue it forever."""
@@ -113,8 +118,15 @@ class LoaderConfig:
     """With a process group, local workers connect to every rank's pool (M:N); else only to this rank's."""
     poll_timeout_s: float = 1.0
     """How long ``next()`` waits per poll before re-checking worker health."""
-    wait_timeout_s: float | None = None
-    """Raise if no group arrives for this long (None = wait forever, e.g. for remote workers)."""
+    wait_timeout_s: float | None = 600.0
+    """``next()`` raises ``TimeoutError`` if no group arrives for this long, saying why none came (groups dropped
+    as stale with the workers' and the trainer's versions, failed leases, no worker connected, ...). Raise it for
+    generations longer than this (long reasoning on a large model, workers started by hand); None: wait forever."""
+    frozen_workers: bool = False
+    """Accept local workers whose engine has real weights (``hf``, ``vllm``) but no weight channel
+    (``worker.weights.type='none'``): they generate with their model directory's weights for the whole run. For a
+    loop that never moves the policy version (evaluation, data collection); once a trainer's version passes
+    ``max_staleness`` every group they make is stale, so by default such a loader is refused at construction."""
     transport: TransportConfig = field(default_factory=TransportConfig)
     gate: GateConfig = field(default_factory=GateConfig)
     """What the pool admits from workers: value ranges, per-peer caps (``asyncrl.pool.gate``)."""
@@ -137,6 +149,12 @@ class LoaderConfig:
         if self.on_poisoned_prompt not in ("raise", "skip") or self.prompt_failure_backoff_s < 0:
             raise ValueError(f"need {self.on_poisoned_prompt=} in ('raise', 'skip') and "
                              f"{self.prompt_failure_backoff_s=} >= 0")
+        if self.max_failed_starts is not None and self.max_failed_starts < 1:
+            raise ValueError(f"loader.max_failed_starts={self.max_failed_starts} must be >= 1, or None to restart "
+                             "workers that cannot start as restart_workers says")
+        if self.wait_timeout_s is not None and not self.wait_timeout_s > 0:
+            raise ValueError(f"loader.wait_timeout_s={self.wait_timeout_s} must be > 0 seconds, or None to wait "
+                             "forever")
         if self.prefetch < 0 or (self.max_staleness is not None and self.prefetch > self.max_staleness):
             raise ValueError(f"{self.prefetch=} must be in [0, {self.max_staleness=}]: a consumer that fetches p "
                              "batches ahead trains each one up to p versions after it is taken")

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from asyncrl.config.data import DataConfig
 
-__all__ = ["PromptSet", "load_prompts", "render_prompt", "sft_batch"]
+__all__ = ["PromptSet", "is_empty", "load_prompts", "render_prompt", "sft_batch"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,24 +105,32 @@ def render_prompt(prompt: Any, tokenizer: Any, *, chat_template: bool | None = N
     return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 
-def sft_batch(items: list[dict[str, Any]], tokenizer: Any) -> tuple[Any, Any]:
-    """A supervised (warm-start) batch of prompt items: each row is the rendered prompt's ids, the ``answer``
-    column's tokens and eos, right-padded; the labels cover the answer and eos only, masked by prompt *tokens*
-    (what a BPE tokenizer makes of the prompt, chat template included), never by characters.
+def sft_batch(items: list[dict[str, Any]], tokenizer: Any, answer_column: str = "answer") -> tuple[Any, Any]:
+    """A supervised (warm-start) batch of prompt items: each row is the rendered prompt's ids, the answer column's
+    tokens and eos, right-padded; the labels cover the answer and eos only, masked by prompt *tokens* (what a BPE
+    tokenizer makes of the prompt, chat template included), never by characters.
+
+    Args:
+        items: prompt items (:func:`load_prompts`'s).
+        tokenizer: the policy's tokenizer.
+        answer_column: the column of the reference answers (``data.answer_column``).
 
     Returns:
         ``(input_ids, labels)``, int64 ``[B, L]``; labels are -100 on prompt and padding positions.
 
     Raises:
-        ValueError: an item without an ``answer`` column.
+        ValueError: an item without a value in ``answer_column`` (a warm start on it would teach the model to
+            answer ``None``), naming the column and the fix.
     """
     import torch
 
-    if missing := [i for i, item in enumerate(items) if "answer" not in item]:
-        raise ValueError(f"the supervised warm start needs an 'answer' column; items {missing[:5]} have none "
-                         f"(columns: {sorted(items[missing[0]])}); set train.sft_steps=0")
+    if missing := [i for i, item in enumerate(items) if is_empty(item.get(answer_column))]:
+        raise ValueError(f"the supervised warm start trains on column {answer_column!r} (data.answer_column), but "
+                         f"{len(missing)} of {len(items)} items have no value in it (columns of the first: "
+                         f"{sorted(items[missing[0]])}); set data.answer_column to the column of your answers, or "
+                         "train.sft_steps=0")
     eos = tokenizer.eos_token_id
-    seqs = [[*item[PROMPT_IDS], *tokenizer(str(item["answer"]), add_special_tokens=False).input_ids, eos]
+    seqs = [[*item[PROMPT_IDS], *tokenizer(str(item[answer_column]), add_special_tokens=False).input_ids, eos]
             for item in items]
     ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
     labels = torch.full_like(ids, -100)
@@ -132,12 +141,25 @@ def sft_batch(items: list[dict[str, Any]], tokenizer: Any) -> tuple[Any, Any]:
     return ids, labels
 
 
-def load_prompts(config: DataConfig, tokenizer: Any) -> PromptSet:
+def is_empty(value: Any) -> bool:
+    """A missing value: None (a JSONL record without the key, a null), a blank string, or an empty list."""
+    return value is None or (isinstance(value, str) and not value.strip()) or (isinstance(value, (list, tuple))
+                                                                                and not value)
+
+
+def load_prompts(config: DataConfig, tokenizer: Any, *, required_columns: Mapping[str, str] | None = None) -> PromptSet:
     """Loads, renders and filters the prompts of a ``data:`` section.
+
+    Every row must have a non-empty prompt, a non-empty value in each of ``required_columns``, and images for the
+    image parts of its messages; the first row that does not is named (1-based: row 1 is the first record) with the
+    file and the column.
 
     Args:
         config: the data section.
         tokenizer: the policy's tokenizer, or the model directory to load it from (``AutoTokenizer``).
+        required_columns: columns the run reads besides the prompt, each with who reads it (``{"answer": "the
+            reward function 'exact_answer'"}``): :func:`asyncrl.rewards.reward_columns`, and ``data.answer_column``
+            for the warm start.
 
     Returns:
         The items, in dataset order, each ``{"prompt_ids": [...], "prompt": text, **other columns}`` or, for chat
@@ -146,8 +168,8 @@ def load_prompts(config: DataConfig, tokenizer: Any) -> PromptSet:
 
     Raises:
         ValueError: naming the file (or task) and the column: a missing file, an empty one, no prompt column,
-            a prompt of the wrong type, a value that cannot travel (not msgpack-able), or no prompt left after
-            ``max_prompt_length``.
+            a prompt of the wrong type, a row with an empty prompt or required value (with its 1-based row), a value
+            that cannot travel (not msgpack-able), or no prompt left after ``max_prompt_length``.
     """
     processor = None
     if isinstance(tokenizer, (str, os.PathLike)):
@@ -169,8 +191,16 @@ def load_prompts(config: DataConfig, tokenizer: Any) -> PromptSet:
     keep = config.columns
     if keep is not None and (missing := [c for c in keep if c not in rows[0]]):
         raise ValueError(f"{origin}: no column(s) {missing} (data.columns); its columns are {sorted(rows[0])}")
+    required = dict(required_columns or {})
+    required.pop(column, None)  # the prompt column is checked as the prompt
+    for name, who in required.items():
+        if name not in rows[0]:
+            raise ValueError(f"{origin}: no column {name!r}, which {who} reads; its columns are {sorted(rows[0])}")
+        if keep is not None and name not in keep:
+            raise ValueError(f"{origin}: data.columns={keep} leaves out column {name!r}, which {who} reads; add it")
     items, too_long, longest = [], 0, 0
     for i, row in enumerate(rows):
+        _check_row(row, i, column, required, origin)
         item = _item(row, i, column, keep, tokenizer, config, origin, processor)
         n = len(item["prompt_ids"])
         if config.max_prompt_length is not None and n > config.max_prompt_length:
@@ -184,6 +214,26 @@ def load_prompts(config: DataConfig, tokenizer: Any) -> PromptSet:
         raise ValueError(f"{origin}: all {len(rows)} prompts are longer than data.max_prompt_length="
                          f"{config.max_prompt_length} tokens (longest {longest})")
     return PromptSet(items, origin=origin, dropped_too_long=too_long)
+
+
+def _check_row(row: dict[str, Any], i: int, column: str, required: dict[str, str], origin: str) -> None:
+    """Refuses a row (``i``: 0-based; named 1-based) with an empty prompt or value the run reads, or image parts
+    without images: each would train on garbage (an answer of ``None``) or fail in every worker."""
+    if is_empty(row.get(column)):
+        raise ValueError(f"{origin}: row {i + 1}: the prompt (column {column!r}) is empty ({row.get(column)!r}); "
+                         "fill in or remove the row")
+    for name, who in required.items():
+        if is_empty(row.get(name)):
+            raise ValueError(f"{origin}: row {i + 1}: column {name!r}, which {who} reads, is empty "
+                             f"({row.get(name)!r}); fill in or remove the row")
+    prompt = row[column]
+    parts = sum(1 for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), list)
+                for p in m["content"] if isinstance(p, dict) and p.get("type") == "image") if isinstance(
+        prompt, list) else 0
+    if parts and is_empty(row.get("images")):
+        raise ValueError(f"{origin}: row {i + 1}: its messages reference {parts} image(s) ({{'type': 'image'}} parts) "
+                         f"but column 'images' is empty ({row.get('images')!r}); give the images (bytes or paths) "
+                         "or remove the image parts")
 
 
 def _item(row: dict[str, Any], i: int, column: str, keep: list[str] | None, tokenizer: Any, config: DataConfig,
@@ -207,7 +257,7 @@ def _item(row: dict[str, Any], i: int, column: str, keep: list[str] | None, toke
         else:
             ids = render_prompt(prompt, tokenizer, chat_template=config.chat_template, system_prompt=config.system_prompt)
     except ValueError as e:
-        raise ValueError(f"{origin}: row {i}, column {column!r}: {e}") from None
+        raise ValueError(f"{origin}: row {i + 1}, column {column!r}: {e}") from None
     key = "prompt" if isinstance(prompt, str) or column == PROMPT_IDS else "messages"
     others = {k: v for k, v in row.items() if k not in (column, key, PROMPT_IDS) and (keep is None or k in keep or k == "images")}
     item = {PROMPT_IDS: ids, **({key: prompt} if column != PROMPT_IDS else {}), **others}
@@ -215,7 +265,7 @@ def _item(row: dict[str, Any], i: int, column: str, keep: list[str] | None, toke
         msgpack.packb(item)
     except (TypeError, ValueError, OverflowError) as e:
         bad = next((k for k, v in item.items() if not _packs(v)), "?")
-        raise ValueError(f"{origin}: row {i}, column {bad!r} cannot travel with the prompt (not msgpack-able: {e}); "
+        raise ValueError(f"{origin}: row {i + 1}, column {bad!r} cannot travel with the prompt (not msgpack-able: {e}); "
                          "drop it with data.columns or convert it") from None
     return item
 

@@ -3,8 +3,10 @@
 :class:`Debugger` is what a training loop holds: once per step, after its update, the loop calls
 :meth:`Debugger.observe`; it builds the step record (:mod:`asyncrl.debug.record`), runs the
 detectors on it, and if any fires writes the batch with its full provenance to
-``{run_dir}/dumps/step-{step:06d}-rank{r}.msgpack`` (``asyncrl.debug.dump`` format, kind ``anomaly_batch``)
-and one line per anomaly to ``{run_dir}/debug/anomalies.jsonl``. Detectors only observe: they never
+``{run_dir}/dumps/step-{step:06d}-rank{r}.msgpack`` (``asyncrl.debug.dump`` format, kind ``anomaly_batch``),
+the batch's rollouts as readable samples to ``{run_dir}/samples.jsonl`` (given a :class:`~asyncrl.debug.samples.SampleLog`),
+and one line per anomaly to ``{run_dir}/debug/anomalies.jsonl``; the line and the dump name the dump and the samples
+(``{"file": "samples.jsonl", "step": s, "rank": r}``). Detectors only observe: they never
 change the update (the update guard does that, and its rejections are one of the detectors).
 
 Detectors (``DebugConfig.detectors``), each for a class of bug:
@@ -46,8 +48,9 @@ import orjson
 import torch
 
 from asyncrl.config.debug import DebugConfig
-from asyncrl.debug.record import StepRecorder, step_record
 from asyncrl.debug.dump import write_dump
+from asyncrl.debug.record import StepRecorder, step_record
+from asyncrl.debug.samples import SampleLog
 from asyncrl.weights.verify import weight_mismatches
 
 __all__ = ["Anomaly", "AnomalyDetectors", "Debugger", "weights_checksum"]
@@ -169,11 +172,13 @@ class Debugger:
             ``sampling`` (temperature, top_k, top_p), ``loss`` (the loss config as a dict),
             ``checkpoint_dir``.
         append: a resumed run continues its record.
+        samples: where an anomalous batch's rollouts are written as readable samples (None: not written).
     """
 
     def __init__(self, run_dir: str | os.PathLike, rank: int, config: DebugConfig, *, max_staleness: int | None,
-                 context: dict[str, Any], append: bool = False):
+                 context: dict[str, Any], append: bool = False, samples: SampleLog | None = None):
         self.run_dir = Path(run_dir)
+        self.samples = samples
         self.rank = rank
         self.config = config
         self.context = context
@@ -228,12 +233,17 @@ class Debugger:
             gate["weight_mismatch"] = mismatch["workers"]
             self._weight_mismatches = mismatch["count"]
         anomalies = self.detectors.check(record, gate)
-        dump = None
+        dump = samples = None
         if anomalies and self.dumps < self.config.max_dumps:
+            if self.samples is not None:  # the bad batch as text, before the dump that points to it
+                self.samples.write(step, batch, trainer_version=policy_version, why="anomaly", rewards=rewards,
+                                   advantages=advantages, accepted=accepted)
+                samples = self.samples.ref(step)
             dump = self._capture(record, anomalies, batch, trainer_logprobs, advantages, rewards, gate, weights,
-                                 loss, grad_norm, update_ratio, guard_reason)
+                                 loss, grad_norm, update_ratio, guard_reason, samples)
             self.dumps += 1
-        record["anomalies"] = [{"kind": a.kind, "detail": a.detail, "dump": dump} for a in anomalies]
+        record["anomalies"] = [{"kind": a.kind, "detail": a.detail, "dump": dump, "samples": samples}
+                               for a in anomalies]
         self.recorder.write(record)
         for a in record["anomalies"]:
             line = {"step": step, "rank": self.rank, "time": record["time"], **a}
@@ -242,7 +252,7 @@ class Debugger:
         return record
 
     def _capture(self, record, anomalies, batch, trainer_logprobs, advantages, rewards, gate, weights, loss,
-                 grad_norm, update_ratio, guard_reason) -> str:
+                 grad_norm, update_ratio, guard_reason, samples) -> str:
         tensors = {k: v.detach().cpu() for k, v in batch.items() if isinstance(v, torch.Tensor)}
         if rewards is not None:
             tensors["rewards"] = rewards.detach().cpu()
@@ -268,6 +278,7 @@ class Debugger:
             "weights": {"version": record["policy_version"],
                         "sha256": weights_checksum(weights()) if weights is not None else None},
             "gate": gate,
+            "samples": samples,  # where the batch's rollouts are as text (samples.jsonl), or None
             "record": {k: v for k, v in record.items() if k not in ("uids", "anomalies")},
             "history": {k: list(v) for k, v in self.detectors.history.items()},
             **self.context,

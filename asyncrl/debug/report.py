@@ -7,7 +7,10 @@ It reads what a run of ``recipes/grpo.py`` leaves in its directory:
 - ``config.json``: the recipe config, for the summary;
 - ``debug/steps-rank{r}.jsonl``: the debugger's per-step record; rank 0's is plotted (reward band, fixed-edge
   logprob histograms), the other ranks' files are listed;
-- ``debug/anomalies.jsonl``: the detectors' findings, each linked to its ``dumps/*.msgpack``;
+- ``debug/anomalies.jsonl``: the detectors' findings, each linked to its ``dumps/*.msgpack`` and to the bad batch's
+  rollouts in the samples table;
+- ``samples.jsonl``: sample rollouts (``asyncrl.debug.samples``), shown as a table: prompt and completion text, each
+  reward component, rollout logprob, version and staleness, for the last sampled steps and every anomaly's batch;
 
 and writes ``RUN_DIR/report/index.html`` with one PNG per figure next to it. The page needs nothing else:
 figures are embedded as base64 ``data:`` URIs, the CSS is inline, there is no script and no external URL, and
@@ -38,6 +41,9 @@ import numpy as np
 import orjson
 from matplotlib.figure import Figure
 
+from asyncrl.debug._jsonl import last_per_step, read_jsonl
+from asyncrl.debug.summary import alarm, run_summary
+
 __all__ = ["SECTIONS", "main", "write_report"]
 
 DPI = 90
@@ -55,7 +61,16 @@ nav a{margin-right:1em} section{border-top:1px solid #ccc;margin-top:1.5em}
 table{border-collapse:collapse;font-size:.9em;margin:.5em 0}
 th,td{border:1px solid #ddd;padding:.2em .6em;text-align:left;vertical-align:top} th{background:#f3f3f3}
 figure{margin:.5em 0} img{max-width:100%} .missing{color:#a15c00;font-style:italic} .none{color:#2a7a2a}
+td.text{white-space:pre-wrap;font-family:ui-monospace,monospace;max-width:32em;word-break:break-word}
+.alarm{color:#b00020;font-weight:bold}
 """
+SAMPLE_STEPS = 3
+"""The samples table shows the rows of the last this many periodic sample steps (all ranks), besides every
+anomaly's batch."""
+SAMPLE_ROWS = 32
+"""At most this many rows of one (step, rank) block; the rest is in ``samples.jsonl``."""
+MAX_ANOMALY_BLOCKS = 10
+"""At most this many anomalies' batches are shown (the first ones; every anomaly's rows are in samples.jsonl)."""
 
 
 @dataclass(slots=True)
@@ -68,46 +83,30 @@ class _Run:
     records: list[dict[str, Any]]
     record_files: dict[int, tuple[Path, int]]
     anomalies: list[dict[str, Any]] | None
+    samples: list[dict[str, Any]]
 
 
 class _Html(str):
     """A table cell that is already HTML (its text escaped by whoever built it)."""
 
 
+class _Text(_Html):
+    """A cell of text a model wrote or read (already escaped): shown verbatim, wrapped, in a monospace font."""
+
+
 # -- reading ---------------------------------------------------------------------------------------------------------
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    lines = path.read_bytes().splitlines()
-    rows = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rows.append(orjson.loads(line))
-        except orjson.JSONDecodeError:
-            if i == len(lines) - 1:  # a live run may be in the middle of writing its last line
-                break
-            raise ValueError(f"{path}:{i + 1} is not a JSON line: {line[:80]!r}") from None
-    return rows
-
-
-def _last_per_step(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per step, the last written (a resumed run re-logs the steps after its checkpoint), by step."""
-    by_step = {r.get("step", i): r for i, r in enumerate(rows)}
-    return [by_step[s] for s in sorted(by_step)]
-
-
 def _load(run_dir: Path) -> _Run:
     metrics_path = run_dir / "metrics.jsonl"
     if not metrics_path.is_file():
         raise ValueError(f"no {metrics_path}: is {str(run_dir)!r} the run_dir of a recipes/grpo.py run?")
-    metrics = _last_per_step(_read_jsonl(metrics_path))
+    metrics = last_per_step(read_jsonl(metrics_path))
     if not metrics:
         raise ValueError(f"{metrics_path} is empty: the run has not logged a step yet")
     config_path = run_dir / "config.json"
     debug = run_dir / "debug"
     named = ((re.fullmatch(r"steps-rank(\d+)\.jsonl", p.name), p) for p in debug.glob("steps-rank*.jsonl"))
     ranked = {int(m[1]): p for m, p in named if m}
-    per_rank = {r: _last_per_step(_read_jsonl(ranked[r])) for r in sorted(ranked)}
+    per_rank = {r: last_per_step(read_jsonl(ranked[r])) for r in sorted(ranked)}
     anomalies_path = debug / "anomalies.jsonl"
     return _Run(
         run_dir=run_dir,
@@ -115,7 +114,8 @@ def _load(run_dir: Path) -> _Run:
         config=orjson.loads(config_path.read_bytes()) if config_path.is_file() else None,
         records=per_rank.get(0, []),
         record_files={r: (ranked[r], len(rows)) for r, rows in per_rank.items()},
-        anomalies=_read_jsonl(anomalies_path) if anomalies_path.is_file() else ([] if debug.is_dir() else None),
+        anomalies=read_jsonl(anomalies_path) if anomalies_path.is_file() else ([] if debug.is_dir() else None),
+        samples=read_jsonl(run_dir / "samples.jsonl"),
     )
 
 
@@ -153,7 +153,8 @@ def _cell(value: Any) -> str:
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{_cell(v)}</td>" for v in row) + "</tr>" for row in rows)
+    td = lambda v: '<td class="text">' if isinstance(v, _Text) else "<td>"  # noqa: E731
+    body = "".join("<tr>" + "".join(f"{td(v)}{_cell(v)}</td>" for v in row) + "</tr>" for row in rows)
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
@@ -241,10 +242,15 @@ def _summary(run: _Run, out_dir: Path) -> str:
     verdicts = [r.get("accepted") for r in m]
     times = _series(m, "time")
     wall = "n/a" if times is None else f"{np.nanmax(times) - np.nanmin(times):.1f} s (first to last step logged)"
+    said = run_summary(run.run_dir)
+    reward = said["reward"]
     rows: list[list[Any]] = [
         ["steps", f"{len(m)} (steps {m[0].get('step')}..{m[-1].get('step')})"],
         ["final reward_mean", m[-1].get("reward_mean")],
+        [f"reward, first / last {reward['window']} steps", f"{_fmt(reward['first'])} / {_fmt(reward['last'])}"],
         ["updates accepted / rejected", f"{verdicts.count(True)} / {verdicts.count(False)}"],
+        *[[f"rejected: {kind}", f"{e['count']} (first at step {e['first_step']}: {e['example']}). Fix: {e['fix']}"]
+          for kind, e in said["updates"]["rejected_by"].items()],
         ["anomalies", "missing (no debug/ folder)" if run.anomalies is None else len(run.anomalies)],
         ["wall-clock", wall],
         ["started", "n/a" if times is None else time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(np.nanmin(times)))],
@@ -256,6 +262,10 @@ def _summary(run: _Run, out_dir: Path) -> str:
     files = [f"{p.relative_to(run.run_dir)} ({n} steps)" for p, n in run.record_files.values()]
     rows.append(["debugger records", ", ".join(files) or "missing (no debug/steps-rank*.jsonl)"])
     notes = "" if run.config is not None else _missing("config.json: no config highlights")
+    loud = alarm(said)
+    if loud:
+        notes = "".join(f'<p class="alarm">{html.escape(line.strip("! "))}</p>' for line in loud.splitlines()
+                        if line.strip("!")) + notes
     return notes + _table(["", "value"], rows)
 
 
@@ -359,9 +369,67 @@ def _anomalies(run: _Run, out_dir: Path) -> str:
         return _missing("debug/anomalies.jsonl (no debug/ folder: the run had no debugger)")
     if not run.anomalies:
         return _none("none")
-    rows = [[a.get("step"), a.get("rank"), a.get("kind"), a.get("detail"), _dump_link(run, out_dir, a.get("dump"))]
-            for a in run.anomalies]
-    return _table(["step", "rank", "kind", "detail", "dump"], rows)
+    shown = {(b[0], b[1]) for b in _sample_blocks(run)}
+    rows = [[a.get("step"), a.get("rank"), a.get("kind"), a.get("detail"), _dump_link(run, out_dir, a.get("dump")),
+             _samples_link(a.get("samples"), shown)] for a in run.anomalies]
+    return _table(["step", "rank", "kind", "detail", "dump", "samples"], rows)
+
+
+def _samples_link(ref: dict[str, Any] | None, shown: set[tuple[Any, Any]]) -> Any:
+    if not ref:
+        return ""
+    key = (ref.get("step"), ref.get("rank"))
+    where = f"{ref.get('file', 'samples.jsonl')}, step {key[0]}, rank {key[1]}"
+    if key not in shown:
+        return f"{where} (not shown here)"
+    return _Html(f'<a href="#{_anchor(*key)}">{html.escape(where)}</a>')
+
+
+def _anchor(step: Any, rank: Any) -> str:
+    return f"samples-step{step}-rank{rank}"
+
+
+def _sample_blocks(run: _Run) -> list[tuple[Any, Any, str, list[dict[str, Any]]]]:
+    """``(step, rank, why, rows)`` of the blocks the samples table shows: the last ``SAMPLE_STEPS`` periodic sample
+    steps and the first ``MAX_ANOMALY_BLOCKS`` anomalies' batches, in step order."""
+    blocks: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
+    for row in run.samples:
+        blocks.setdefault((row.get("step"), row.get("rank")), []).append(row)
+    why = {key: rows[0].get("why", "every") for key, rows in blocks.items()}
+    periodic = sorted({k[0] for k in blocks if why[k] != "anomaly"}, key=lambda s: s or 0)[-SAMPLE_STEPS:]
+    anomalous = sorted((k for k in blocks if why[k] == "anomaly"), key=lambda k: (k[0] or 0, k[1] or 0))
+    keep = {k for k in blocks if k[0] in periodic and why[k] != "anomaly"} | set(anomalous[:MAX_ANOMALY_BLOCKS])
+    return [(k[0], k[1], why[k], blocks[k]) for k in sorted(keep, key=lambda k: (k[0] or 0, k[1] or 0))]
+
+
+def _text_cell(text: Any, preview: int = 80) -> _Text:
+    """Text a model wrote or read, escaped, verbatim; a long one folded behind its first characters."""
+    text = "" if text is None else str(text)
+    if len(text) <= preview:
+        return _Text(html.escape(text))
+    return _Text(f"<details><summary>{html.escape(text[:preview])}…</summary>{html.escape(text)}</details>")
+
+
+def _samples(run: _Run, out_dir: Path) -> str:
+    if not run.samples:
+        return _missing("samples.jsonl (debug.samples_every=0, or a run from before samples were written)")
+    blocks = _sample_blocks(run)
+    names = sorted({k for _, _, _, rows in blocks for r in rows for k in (r.get("rewards") or {})})
+    header = ["uid", "version", "staleness", "reward", *names, "advantage", "rollout logprob", "tokens", "finish",
+              "prompt", "completion"]
+    total = len({(r.get("step"), r.get("rank")) for r in run.samples})
+    out = (f"<p>{len(run.samples)} rollouts of {total} (step, rank) samples in samples.jsonl; shown: the last "
+           f"{SAMPLE_STEPS} sampled steps and the batches of anomalies. Prompt and completion are the token ids "
+           "decoded with the run's tokenizer.</p>")
+    for step, rank, why, rows in blocks:
+        title = f"step {step}, rank {rank}" + (" (an anomaly's batch)" if why == "anomaly" else "")
+        body = [[r.get("uid"), r.get("policy_version"), r.get("staleness"), r.get("reward"),
+                 *((r.get("rewards") or {}).get(n) for n in names), r.get("advantage"), r.get("rollout_logprob"),
+                 r.get("response_tokens"), r.get("finish_reason"), _text_cell(r.get("prompt")),
+                 _text_cell(r.get("completion"))] for r in rows[:SAMPLE_ROWS]]
+        more = f"<p>{len(rows) - SAMPLE_ROWS} more rows in samples.jsonl</p>" if len(rows) > SAMPLE_ROWS else ""
+        out += f'<h3 id="{_anchor(step, rank)}">{html.escape(title)}</h3>' + _table(header, body) + more
+    return out
 
 
 def _workers(run: _Run, out_dir: Path) -> str:
@@ -406,7 +474,7 @@ def _throughput(run: _Run, out_dir: Path) -> str:
 SECTIONS = {
     "summary": ("Summary", _summary), "curves": ("Reward and loss", _curves), "staleness": ("Staleness", _staleness),
     "logprobs": ("Rollout vs trainer logprobs", _logprobs), "guard": ("Update guard", _guard),
-    "anomalies": ("Anomalies", _anomalies), "throughput": ("Throughput", _throughput),
+    "anomalies": ("Anomalies", _anomalies), "samples": ("Samples", _samples), "throughput": ("Throughput", _throughput),
 }
 """Section id -> (heading, builder); builders return the section's HTML and write its PNGs."""
 

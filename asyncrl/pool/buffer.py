@@ -45,9 +45,9 @@ from typing import Any
 from asyncrl._logging import Throttle
 from asyncrl.pool.ledger import Lease, PromptLedger, PromptState
 from asyncrl.pool.poison import PoisonedPromptError, PoisonPolicy
-from asyncrl.rollout import Group, Rollout
 from asyncrl.pool.staleness import check_policy_version, is_stale
 from asyncrl.pool.timeline import Timeline, new_incarnation
+from asyncrl.rollout import Group, Rollout
 
 __all__ = ["RolloutPool"]
 
@@ -84,6 +84,7 @@ class RolloutPool:
         on_poisoned_prompt: ``"raise"``: :meth:`take` raises :class:`~asyncrl.pool.poison.PoisonedPromptError`;
             ``"skip"``: the prompt is skipped for the epoch (counted in ``stats["skipped_poisoned"]``).
         failure_backoff_s: a failed prompt is re-issued after this many seconds, doubled per failed attempt.
+        config_key: how errors name the loader's settings: ``LoaderConfig`` or a run file's section (``rollout``).
     """
 
     STATE_VERSION = 2
@@ -103,6 +104,7 @@ class RolloutPool:
         max_prompt_failures: int | None = 3,
         on_poisoned_prompt: PoisonPolicy = "raise",
         failure_backoff_s: float = 0.5,
+        config_key: str = "LoaderConfig",
     ):
         if max_prompt_failures is not None and max_prompt_failures < 1:
             raise ValueError(f"{max_prompt_failures=} must be >= 1 (or None: never poisoned)")
@@ -111,6 +113,8 @@ class RolloutPool:
         self.max_prompt_failures = max_prompt_failures
         self.on_poisoned_prompt = on_poisoned_prompt
         self.failure_backoff_s = failure_backoff_s
+        self.config_key = config_key
+        self._culprits: dict[int, str] = {}  # prompt -> what failed in its last failed attempt (this epoch)
         if prefetch < 0 or (max_staleness is not None and prefetch > max_staleness):
             raise ValueError(
                 f"{prefetch=} must be in [0, {max_staleness=}]: a consumer that fetches p batches ahead trains each "
@@ -283,8 +287,10 @@ class RolloutPool:
             if lease is not None and lease.worker_id == worker_id:
                 self.ledger.release(lease_id, reason)
 
-    def lease_failed(self, lease_id: int, worker_id: str, error: str, now: float | None = None) -> int | None:
-        """A worker reports that it could not finish a lease it holds (engine or reward error).
+    def lease_failed(self, lease_id: int, worker_id: str, error: str, now: float | None = None,
+                     culprit: str = "unknown") -> int | None:
+        """A worker reports that it could not finish a lease it holds (engine or reward error; ``culprit`` says
+        which: :data:`asyncrl.pool.poison.CULPRITS`).
 
         The failed attempt is counted against the prompt and the prompt is re-issued after a backoff;
         at ``max_prompt_failures`` it is poisoned: parked, and :meth:`take` raises (``"raise"``), or
@@ -299,6 +305,8 @@ class RolloutPool:
             if lease is None or lease.worker_id != worker_id:
                 return None
             failures = self.ledger.record_failure(lease_id, error, now, self.failure_backoff_s)
+            if failures is not None:
+                self._culprits[lease.prompt_index] = culprit
             if failures is None or self.max_prompt_failures is None or failures < self.max_prompt_failures:
                 return failures
             if self.ledger.state_of(lease.prompt_index) not in (PromptState.PENDING, PromptState.LEASED):
@@ -390,7 +398,9 @@ class RolloutPool:
                 if self._error is not None:
                     raise RuntimeError("rollout receiver failed") from self._error
                 if (poisoned := self.ledger.poisoned) is not None:  # on_poisoned_prompt="raise"
-                    raise PoisonedPromptError(self.ledger.epoch, poisoned, *self.ledger.failures_of(poisoned))
+                    raise PoisonedPromptError(self.ledger.epoch, poisoned, *self.ledger.failures_of(poisoned),
+                                              culprit=self._culprits.get(poisoned, "unknown"),
+                                              config_key=self.config_key)
                 while self._ready:
                     if self.ordered:
                         index = self.ledger.next_in_order()
@@ -487,6 +497,7 @@ class RolloutPool:
             self._ready.clear()
             self._partial.clear()
             self.buffered_bytes = 0
+            self._culprits.clear()
             self.ledger.start_epoch(epoch)
             self.active = True
             self._changed()

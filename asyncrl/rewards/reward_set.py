@@ -30,7 +30,8 @@ value's extra keys), which the recipe logs as means. A completion no function sc
 component ``unscored`` = 1; the trainer gives it advantage 0 and leaves it out of its group's mean, as TRL does.
 
 Errors: a function that raises, returns the wrong number of values or a non-finite value fails the lease of
-its group: the worker reports it FAILED with the error text, and the pool counts it against the prompt
+its group (so does a completion whose token ids do not decode into text, blamed on decoding): the worker reports it
+FAILED with the error text and the culprit (``reward`` or ``decode``), and the pool counts it against the prompt
 (:mod:`asyncrl.pool.poison`). A sync function that raises on a batch is called again group by group, so only the
 guilty groups fail and nothing is generated twice.
 
@@ -73,7 +74,21 @@ Scored = tuple[float, dict[str, float]]
 
 
 class RewardError(ValueError):
-    """A reward function failed on a group; the message names the function (reported as the lease's error)."""
+    """A reward function failed on a group; the message names the function (reported as the lease's error).
+
+    Attributes:
+        culprit: what failed, as the worker's FAILED report says (:data:`asyncrl.pool.poison.CULPRITS`):
+            ``"reward"`` (the function raised or returned bad values) or ``"decode"`` (turning the completions' token
+            ids into the text the function gets raised).
+    """
+
+    def __init__(self, message: str, culprit: str = "reward"):
+        super().__init__(message)
+        self.culprit = culprit
+
+
+class _DecodeFailed(Exception):
+    """The completion's token ids could not be decoded into text for the reward functions."""
 
 
 BUILTIN: dict[str, Callable[..., Any]] = {
@@ -174,8 +189,11 @@ class RewardSet:
         for f, fn in enumerate(self.funcs):
             if self._async[f]:
                 values.append([None] * len(groups))  # type: ignore[list-item]
-                pending += [(f, g, self._call(f, [prompt] * len(cs), cs, decode))
-                            for g, (prompt, cs) in enumerate(groups)]
+                for g, (prompt, cs) in enumerate(groups):
+                    try:  # the arguments are built (completions decoded) here, before the coroutine runs
+                        pending.append((f, g, self._call(f, [prompt] * len(cs), cs, decode)))
+                    except Exception as e:  # deliberate: this group's lease fails with the error, the others go on
+                        values[f][g] = self._error(f, e)
             else:
                 values.append(self._sync(f, groups, decode))
         if pending:
@@ -255,6 +273,12 @@ class RewardSet:
     def _error(self, f: int, e: BaseException) -> RewardError:
         if isinstance(e, RewardError):
             return e
+        if isinstance(e, _DecodeFailed):  # not the function's fault: the tokenizer's
+            cause = e.__cause__ or e
+            error = RewardError(f"decoding a completion's token ids into text for reward function {self.names[f]!r} "
+                                f"raised {type(cause).__name__}: {cause}", culprit="decode")
+            error.__cause__ = cause
+            return error
         error = RewardError(f"reward function {self.names[f]!r} raised {type(e).__name__}: {e}")
         error.__cause__ = e
         return error
@@ -286,7 +310,10 @@ def _trl_arguments(prompts: Sequence[Any], completions: Sequence[Any], decode) -
     for c in completions:
         text = c.text
         if text is None:
-            text = decode(c.response_ids) if decode is not None else ""
+            try:
+                text = decode(c.response_ids) if decode is not None else ""
+            except Exception as e:  # deliberate: reported as the decoding's failure, not the reward function's
+                raise _DecodeFailed(str(e)) from e
         texts.append(text)
     conversational = key == "messages"
     columns: dict[str, list[Any]] = {}

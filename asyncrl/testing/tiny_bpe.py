@@ -145,3 +145,9 @@ def build_tiny_chat_model(path: str | os.PathLike, *, seed: int = 0, dtype: str 
     model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
     model.generation_config.bos_token_id = None
     return save_model_dir(path, model, tokenizer)
+
+
+if __name__ == "__main__":  # the same as `asyncrl tiny-model DIR --chat`
+    from asyncrl.testing.build import main
+
+    main(prog="python -m asyncrl.testing.tiny_bpe", kind="chat")

@@ -93,3 +93,9 @@ def save_model_dir(path: Path, model: Any, *others: Any) -> Path:
     except OSError:  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+if __name__ == "__main__":  # the same as `asyncrl tiny-model DIR`
+    from asyncrl.testing.build import main
+
+    main(prog="python -m asyncrl.testing.tiny_model", kind="base")

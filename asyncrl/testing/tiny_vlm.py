@@ -21,12 +21,11 @@ At a tiny scale the directory looks like a LLaVA-1.5 model on a Qwen2.5 language
   model :data:`asyncrl.testing.tiny_model.TINY_CONFIG`.
 
 The build is deterministic (same seed, same files), written under a temporary name and renamed into place, and a
-complete directory is reused. CLI: ``python -m asyncrl.testing.tiny_vlm DIR [--seed N] [--dtype bfloat16]``.
+complete directory is reused. CLI: ``asyncrl tiny-model DIR --vlm [--seed N] [--dtype bfloat16]``.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
@@ -124,14 +123,7 @@ def build_tiny_vlm(path: str | os.PathLike, *, seed: int = 0, dtype: str = "floa
     return save_model_dir(path, model, processor)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m asyncrl.testing.tiny_vlm", description=__doc__.splitlines()[0])
-    parser.add_argument("path", help="model directory to write (reused when complete)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    args = parser.parse_args(argv)
-    print(build_tiny_vlm(args.path, seed=args.seed, dtype=args.dtype))
+if __name__ == "__main__":  # the same as `asyncrl tiny-model DIR --vlm`
+    from asyncrl.testing.build import main
 
-
-if __name__ == "__main__":
-    main()
+    main(prog="python -m asyncrl.testing.tiny_vlm", kind="vlm")

@@ -41,7 +41,7 @@ from asyncrl.train.advantages import compute_advantages, normalize_then_sum_adva
 from asyncrl.train.corrections import correction_weights, version_keep
 from asyncrl.train.surrogates import LOSS_TYPES, Terms, aggregate
 
-__all__ = ["all_reduce_sum", "compute_loss", "load_loss_fn", "policy_loss", "truncated_rows"]
+__all__ = ["all_reduce_sum", "check_groups", "compute_loss", "load_loss_fn", "policy_loss", "truncated_rows"]
 
 def _check_shapes(logprobs: torch.Tensor, advantages: torch.Tensor, **others: torch.Tensor | None) -> None:
     if logprobs.dim() != 2:
@@ -238,6 +238,8 @@ def compute_loss(
         if not batch["rewards"].isfinite().all():  # a non-finite reward stays visible to the update guard
             advantages = advantages + batch["rewards"].to(device) * 0
     else:
+        if config.fn is None:
+            check_groups(batch["group_index"])
         advantages = compute_advantages(batch["rewards"].to(device), batch["group_index"].to(device),
                                         scale_rewards=str(config.scale_rewards), scored=scored_rows(batch),
                                         all_reduce=all_reduce)
@@ -270,6 +272,21 @@ def compute_loss(
         metrics["kl"] = float((delta.exp() - delta - 1).sum() / valid.sum().clamp(min=1))
         metrics.setdefault("valid_tokens", float(valid.sum()))  # what kl is a mean over, for the ranks' mean
     return loss.reshape(()), metrics, advantages
+
+
+def check_groups(group_index: torch.Tensor) -> None:
+    """Refuses a batch whose every group has one rollout: its group-relative advantages, and so the loss and the
+    gradient, are 0 whatever the rewards (a run that trains nothing and says nothing).
+
+    Raises:
+        ValueError: naming the setting to change.
+    """
+    if group_index.numel() and int(torch.unique(group_index, return_counts=True)[1].max()) < 2:
+        raise ValueError(
+            "every group of this batch has one rollout (group_size=1): a rollout's advantage is its reward minus its "
+            "group's mean, 0 in a group of one, so the loss and its gradient would be 0 at every step. Use "
+            "group_size >= 2 (LoaderConfig.group_size; rollout.group_size in a run file), or a loss of your own "
+            "(loss.fn) that does not use group advantages")
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

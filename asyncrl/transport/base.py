@@ -106,7 +106,9 @@ class RolloutSender(abc.ABC):
     def send_group(self, lease: ReceivedLease, group: Group) -> None: ...
 
     @abc.abstractmethod
-    def send_failed(self, lease: ReceivedLease, error: str) -> None: ...
+    def send_failed(self, lease: ReceivedLease, error: str, culprit: str | None = None) -> None:
+        """Reports a lease the worker could not finish: the error's text and what failed (``culprit``: a key of
+        :data:`asyncrl.pool.poison.CULPRITS`: ``reward``, ``engine``, ``decode``, ``environment``, ``worker``)."""
 
     @property
     @abc.abstractmethod

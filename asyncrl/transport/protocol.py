@@ -3,7 +3,8 @@
 Worker → pool: ``HELLO`` (register, with its credits; optional ``streaming: true``: grant each free credit at
 once; optional ``ready: false``: greet, but grant nothing until a later HELLO without it; a HELLO from a worker
 already registered on that connection refreshes it), ``GROUP`` (one finished group for a lease),
-``FAILED`` (a lease it could not finish), ``HEARTBEAT``, ``BYE``.
+``FAILED`` (a lease it could not finish; optional ``culprit``: what failed, ``reward``, ``engine``, ``decode``,
+``environment`` or ``worker``), ``HEARTBEAT``, ``BYE``.
 Pool → worker: ``WELCOME`` (handshake reply), ``LEASES`` (prompts to generate = credits granted),
 ``HEARTBEAT`` (carries the trainer's policy version), ``CANCEL`` (drop queued leases older than its
 ``min_lease_id``: the pool was reset), ``RESYNC`` (the pool forgot you; say HELLO again), ``SHUTDOWN``

@@ -78,6 +78,7 @@ from asyncrl.config import GateConfig, TransportConfig
 from asyncrl.pool.admission import GREETED_PER_PEER, Admission, Peer
 from asyncrl.pool.buffer import RolloutPool
 from asyncrl.pool.gate import GateError, check_group
+from asyncrl.pool.poison import CULPRITS
 from asyncrl.rollout import Group
 from asyncrl.transport import protocol as P
 from asyncrl.transport._rejected import RejectedRollouts
@@ -435,7 +436,9 @@ class ZmqRolloutReceiver(RolloutReceiver):
             self._throttle.warning("failed", "rank %d: worker %s failed lease %d: %s", self.rank, who,
                                    body["lease_id"], body["error"][:500])
             if peer is not None:  # counted against the prompt; poisoned after loader.max_prompt_failures
-                self.pool.lease_failed(body["lease_id"], peer.worker_id, body["error"][:2000])
+                culprit = body.get("culprit")  # optional (older workers send none); an unknown one is not trusted
+                self.pool.lease_failed(body["lease_id"], peer.worker_id, body["error"][:2000],
+                                       culprit=culprit if culprit in CULPRITS else "unknown")
                 self.admission.returned(peer, body["lease_id"], now, accepted=False)
                 self._dirty = True
         elif kind == P.BYE:
@@ -693,8 +696,9 @@ class ZmqRolloutSender(RolloutSender):
     def send_group(self, lease: ReceivedLease, group: Group) -> None:
         self._push(lease.conn, encode(P.GROUP, {"lease_id": lease.lease_id, "group": group.to_wire()}))
 
-    def send_failed(self, lease: ReceivedLease, error: str) -> None:
-        self._push(lease.conn, encode(P.FAILED, {"lease_id": lease.lease_id, "error": error[:2000]}))
+    def send_failed(self, lease: ReceivedLease, error: str, culprit: str | None = None) -> None:
+        body = {"lease_id": lease.lease_id, "error": error[:2000], **({"culprit": culprit} if culprit else {})}
+        self._push(lease.conn, encode(P.FAILED, body))
 
     def _push(self, conn: int, frames: list) -> None:
         if self._pusher is None:

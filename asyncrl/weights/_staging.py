@@ -56,7 +56,11 @@ def check_publish(
     if type(version) is not int:
         raise TypeError(f"version must be an int, got {type(version).__name__} ({version!r})")
     if last is not None and version <= last:
-        raise ValueError(f"{version=} must be greater than the last published version {last}")
+        raise ValueError(
+            f"{version=} must be greater than the last published version {last}: a broadcaster publishes each version "
+            "once. A loop that rebuilt its RolloutLoader on this live broadcaster carries on from the published "
+            "version: RolloutLoader(..., incarnation=old_loader.incarnation), then PolicySync(model, loader, "
+            f"broadcaster, version={last}, publish_initial=False) (docs/guides/your-loop.md, 'Rebuilding the loader')")
     if mode not in MODES:
         raise ValueError(f"{mode=} must be one of {MODES}")
     if lora_config is not None and (mode != "lora" or not isinstance(lora_config, dict)):

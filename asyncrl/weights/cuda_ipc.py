@@ -62,8 +62,8 @@ import torch
 import zmq
 
 from asyncrl._owned_dir import OwnedDir, make_owned_dir
-from asyncrl.codec import DecodeError, decode, encode
 from asyncrl._zmq.io import IOThread, Waker, drain, is_loopback_bind
+from asyncrl.codec import DecodeError, decode, encode
 from asyncrl.transport.protocol import check_fields
 from asyncrl.weights._ipc_memory import (
     CudaIpcMemory,

@@ -65,8 +65,8 @@ from urllib.parse import urlsplit
 import torch
 import zmq
 
-from asyncrl.codec import DecodeError, decode, encode
 from asyncrl._zmq.io import drain, is_loopback_bind
+from asyncrl.codec import DecodeError, decode, encode
 from asyncrl.transport.protocol import check_fields
 from asyncrl.weights import _collective as coll
 from asyncrl.weights._checksum import fill_bucket

@@ -14,14 +14,15 @@ Per backend, what the broadcaster is given:
   without them).
 * ``nccl`` / ``cuda_ipc``: ``bind`` (a control endpoint, bound like zmq's) and the trainer's ``device``
   (buckets live there).
-* ``shm``: a directory named for the run directory under ``/dev/shm`` (or the temp dir), emptied first, so a
-  killed run's segments are replaced by its resume, not leaked; :meth:`WeightSync.close` removes it.
+* ``shm``: a directory named for the run directory under ``/dev/shm`` (or the temp dir), made afresh, so a
+  killed run's segments are replaced by its resume, not leaked; :meth:`WeightSync.close` removes it. It holds an
+  owner lock (:mod:`asyncrl._owned_dir`): one left by a rank 0 that was killed (torchrun's SIGKILL, an OOM) is
+  removed by the next broadcaster that starts on this machine, whatever its run.
 """
 
 from __future__ import annotations
 
 import hashlib
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +31,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from asyncrl._owned_dir import OwnedDir, make_owned_dir
 from asyncrl.config import TransportConfig, WeightSyncConfig
 from asyncrl.weights import WeightBroadcaster, setup_weight_broadcaster
+from asyncrl.weights.shm import PREFIX as SHM_PREFIX  # every shm broadcaster sweeps dead directories of this prefix
 
 __all__ = ["WeightSync", "shm_directory", "start_weight_sync"]
 
@@ -46,20 +49,22 @@ class WeightSync:
     """The broadcaster's address (endpoint, or the shm directory), the same on every rank."""
     broadcaster: WeightBroadcaster | None
     """Rank 0's broadcaster; None on the other ranks."""
+    directory: OwnedDir | None = None
+    """Rank 0's shm directory (removed on :meth:`close`); None otherwise."""
 
     def close(self) -> None:
         """Closes rank 0's broadcaster (and removes its shm directory); a no-op on the other ranks."""
         if self.broadcaster is None:
             return
         self.broadcaster.close()
-        if self.type == "shm":
-            shutil.rmtree(self.address, ignore_errors=True)
+        if self.directory is not None:
+            self.directory.close()
 
 
 def shm_directory(run_dir: str | Path) -> Path:
     """The shm backend's directory for ``run_dir``: the same for a run and its resumes, distinct across runs."""
     root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    return root / f"asyncrl-weights-{hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]}"
+    return root / f"{SHM_PREFIX}{hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]}"
 
 
 def start_weight_sync(cfg: WeightSyncConfig, *, run_dir: str | Path, device: torch.device,
@@ -75,18 +80,23 @@ def start_weight_sync(cfg: WeightSyncConfig, *, run_dir: str | Path, device: tor
     Raises:
         ValueError: on rank 0, an unknown ``cfg.type`` (the other ranks then fail in the broadcast).
     """
-    broadcaster, address = None, [None]
+    broadcaster, address, owned = None, [None], None
     if dist.get_rank() == 0:
         if cfg.type == "zmq":
             kw: dict[str, Any] = {"bind": cfg.bind, "delta": cfg.delta, "delta_threads": cfg.delta_threads,
                                   "security": security}
         elif cfg.type in ("nccl", "cuda_ipc"):
             kw = {"bind": cfg.bind, "device": device}
-        else:
+        else:  # a killed run's directory is replaced by its resume's (and swept by any later run's)
             directory = shm_directory(run_dir)
-            shutil.rmtree(directory, ignore_errors=True)  # a killed run's segments, replaced by its resume
-            kw = {"directory": directory}
-        broadcaster = setup_weight_broadcaster(cfg.type, bucket_bytes=cfg.bucket_bytes, **kw)
+            owned, _ = make_owned_dir(SHM_PREFIX, directory.parent, suffix=directory.name[len(SHM_PREFIX):])
+            kw = {"directory": owned.path}
+        try:
+            broadcaster = setup_weight_broadcaster(cfg.type, bucket_bytes=cfg.bucket_bytes, **kw)
+        except BaseException:
+            if owned is not None:
+                owned.close()
+            raise
         address = [broadcaster.address]
     dist.broadcast_object_list(address, src=0)
-    return WeightSync(type=cfg.type, address=address[0], broadcaster=broadcaster)
+    return WeightSync(type=cfg.type, address=address[0], broadcaster=broadcaster, directory=owned)

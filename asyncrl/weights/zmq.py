@@ -50,10 +50,10 @@ from typing import Any
 import torch
 import zmq
 
-from asyncrl.codec import DecodeError, decode, encode
-from asyncrl.config import TransportConfig
 from asyncrl._zmq.curve import allowed_keys, client_secret_key, start_authenticator
 from asyncrl._zmq.io import IOThread, Waker, drain, is_loopback_bind
+from asyncrl.codec import DecodeError, decode, encode
+from asyncrl.config import TransportConfig
 from asyncrl.weights import _delta_kernels as delta_kernels
 from asyncrl.weights import protocol as P
 from asyncrl.weights._checksum import fill_bucket

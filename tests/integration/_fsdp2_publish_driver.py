@@ -23,10 +23,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from asyncrl.config import HFEngineConfig
+from asyncrl.testing.tiny_model import build_tiny_model
 from asyncrl.weights import setup_weight_broadcaster, setup_weight_receiver
 from asyncrl.weights.state import policy_state
 from workers.engines.hf import HFEngine
-from asyncrl.testing.tiny_model import build_tiny_model
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
 

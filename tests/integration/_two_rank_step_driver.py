@@ -89,8 +89,8 @@ def step_metrics(batch: dict, name: str, all_reduce=None) -> dict[str, float]:
 def reference_report(out: Path, rank: int) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from asyncrl.train.reference import ReferencePolicy
     from asyncrl.testing.tiny_model import build_tiny_model
+    from asyncrl.train.reference import ReferencePolicy
 
     model_dir = out / "model"
     if rank == 0:

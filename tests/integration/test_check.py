@@ -33,8 +33,8 @@ MINE = ("structure", "weight_sync", "logprobs")
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     """The character-level tiny model and its MHA + tied-embeddings edit (q and k of one shape; lm_head tied)."""
-    from tests.integration._check_faults import mha_tied_model
     from asyncrl.testing.tiny_model import build_tiny_model
+    from tests.integration._check_faults import mha_tied_model
 
     root = tmp_path_factory.mktemp("check")
     tiny = build_tiny_model(root / "tiny", seed=0)

@@ -10,8 +10,7 @@ import json
 import msgpack
 import pytest
 
-from asyncrl.config import HFEngineConfig, VllmEngineConfig
-from asyncrl.config import DataConfig
+from asyncrl.config import DataConfig, HFEngineConfig, VllmEngineConfig
 from asyncrl.data.prompts import load_prompts
 from tests.engine_utils import SAMPLING, TOL, collate, load_model, max_logprob_diff
 from workers.engines import GenerationRequest, build_engine

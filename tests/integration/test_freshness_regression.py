@@ -48,10 +48,10 @@ def test_freshness_ratios_match_baseline(tmp_path):
 @pytest.mark.vllm
 def test_vllm_ignore_eos_follows_length_targets(tmp_path):
     from asyncrl.config import VllmEngineConfig
+    from asyncrl.testing.tiny_model import build_tiny_model
     from tests.engine_utils import PROMPTS, SAMPLING, TOL, load_model, max_logprob_diff
     from workers.engines import GenerationRequest, build_engine
     from workers.engines._rows import length_targets
-    from asyncrl.testing.tiny_model import build_tiny_model
 
     model_dir = str(build_tiny_model(tmp_path / "tiny"))
     stop = list(range(3, 40))  # many stop tokens: most responses run on past one

@@ -15,11 +15,11 @@ import zmq
 
 from asyncrl import FakeEngineConfig, GateConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
 from asyncrl.codec import decode, encode
-from asyncrl.pool.ledger import PromptLedger
+from asyncrl.pool.admission import GREETED_PER_PEER
 from asyncrl.pool.buffer import RolloutPool
+from asyncrl.pool.ledger import PromptLedger
 from asyncrl.rollout import Group, Rollout
 from asyncrl.transport import protocol as P
-from asyncrl.pool.admission import GREETED_PER_PEER
 from asyncrl.transport.zmq import ZmqRolloutReceiver
 
 pytestmark = pytest.mark.integration

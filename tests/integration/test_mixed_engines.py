@@ -14,10 +14,10 @@ import time
 import pytest
 
 from asyncrl import LoaderConfig, RolloutLoader, TransportConfig
-from asyncrl.train.logprobs import token_logprobs
-from tests.engine_utils import SAMPLING, TOL, load_model
 from asyncrl.data.tasks import arithmetic_prompts
 from asyncrl.testing.tiny_model import build_tiny_model
+from asyncrl.train.logprobs import token_logprobs
+from tests.engine_utils import SAMPLING, TOL, load_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]
 

@@ -11,16 +11,15 @@ import importlib.util
 import pytest
 import torch
 
-from asyncrl.config import HFEngineConfig, VllmEngineConfig
-from asyncrl.config import DataConfig
-from asyncrl.data.prompts import load_prompts
+from asyncrl.config import DataConfig, HFEngineConfig, VllmEngineConfig
 from asyncrl.data.images import image_provenance, processor_inputs
-from asyncrl.train.logprobs import batch_logprobs, token_logprobs
+from asyncrl.data.prompts import load_prompts
+from asyncrl.data.visual_task import draw_squares
 from asyncrl.rollout import Group, Rollout
+from asyncrl.testing.tiny_vlm import IMAGE_TOKEN
+from asyncrl.train.logprobs import batch_logprobs, token_logprobs
 from datapipes.collate import collate_groups
 from workers.engines.base import GenerationRequest
-from asyncrl.testing.tiny_vlm import IMAGE_TOKEN
-from asyncrl.data.visual_task import draw_squares
 
 pytestmark = pytest.mark.integration
 

@@ -56,6 +56,9 @@ def test_raise_mode_raises_in_next_naming_the_prompt(capfd):
     assert (e.epoch, e.prompt_index, e.failures) == (0, POISONED, MAX_FAILURES)
     assert f"(epoch=0, index={POISONED})" in str(e) and f"{MAX_FAILURES} times" in str(e)
     assert "an engine needs a prompt with" in e.error and "'foo': 1" in str(e)
+    # the worker's FAILED report said what failed; the fix is named with the key a library user has
+    assert e.culprit == "engine" and "the engine failed to generate for this prompt" in str(e)
+    assert "LoaderConfig.on_poisoned_prompt='skip'" in str(e) and "loader.on_poisoned_prompt" not in str(e)
     # bounded attempts: exactly max_prompt_failures leases of it came back FAILED, and no other prompt failed
     assert stats["transport"]["leases_failed"] == MAX_FAILURES
     assert stats["ledger"]["lease_failures"] == MAX_FAILURES

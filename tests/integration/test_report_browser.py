@@ -13,11 +13,11 @@ import pytest
 from matplotlib import image as mpimg
 
 from asyncrl.debug.report import write_report
-from tests._synthetic_run import make_run, parse_page
+from tests._synthetic_run import ANOMALIES, HOSTILE, make_run, parse_page
 
 pytestmark = [pytest.mark.integration]
 
-SECTION_IDS = ("summary", "curves", "staleness", "logprobs", "guard", "anomalies", "throughput")
+SECTION_IDS = ("summary", "curves", "staleness", "logprobs", "guard", "anomalies", "samples", "throughput")
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,22 @@ def test_browser_dom_has_every_section_and_decodable_images(page, tmp_path):
         pixels = mpimg.imread(io.BytesIO(base64.b64decode(src.partition(",")[2])), format="png")
         assert pixels.ndim == 3 and min(pixels.shape[:2]) > 50
     assert all(u.startswith(("data:", "#", "../dumps/")) for u in urls), urls
-    assert len(sections["anomalies"].links) == 2
+    assert len(sections["anomalies"].links) == 4  # each anomaly: its dump and its batch's samples
+
+
+def test_browser_renders_the_samples_table_as_text(page, tmp_path):
+    # the DOM as the browser built it: the samples section holds a table per sampled batch, the completions are
+    # text (the hostile one did not end its cell or add a script element), and each anomaly's link lands on a
+    # heading of that section
+    dom = _chromium(page, tmp_path / "profile", "--dump-dom").stdout
+    sections, _ = parse_page(dom)
+    assert HOSTILE in sections["samples"].text
+    assert "<script" not in dom.split('id="samples"', 1)[1]
+    block = dom.split('id="samples"', 1)[1].split("</section>", 1)[0]
+    assert block.count("<table>") == 8 and block.count("<tr>") == 8 + 3 * 2 * 4 + 2 * 8
+    for step, rank, *_ in ANOMALIES:
+        assert f'<h3 id="samples-step{step}-rank{rank}">' in block
+        assert f'href="#samples-step{step}-rank{rank}"' in dom
 
 
 def test_browser_screenshot_is_a_rendered_page(page, tmp_path):

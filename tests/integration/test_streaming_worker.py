@@ -13,10 +13,10 @@ import time
 import pytest
 
 from asyncrl import FakeEngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
-from asyncrl.pool.ledger import PromptLedger
-from asyncrl.pool.buffer import RolloutPool
-from asyncrl.transport import setup_rollout_sender
 from asyncrl.pool.admission import MAX_STATUS_KEYS, WITHHELD
+from asyncrl.pool.buffer import RolloutPool
+from asyncrl.pool.ledger import PromptLedger
+from asyncrl.transport import setup_rollout_sender
 from asyncrl.transport.zmq import ZmqRolloutReceiver
 from tests.integration.test_lifeline import ENV, _alive, _parent, _wait_gone
 

@@ -113,8 +113,8 @@ def test_curve_pool_admits_only_the_worker_keys_it_lists(tmp_path: Path):
 
 
 def test_curve_pool_without_an_allow_list_is_refused():
-    from asyncrl.pool.ledger import PromptLedger
     from asyncrl.pool.buffer import RolloutPool
+    from asyncrl.pool.ledger import PromptLedger
 
     public, secret = generate_curve_keys()
     pool = RolloutPool(PromptLedger(4), group_size=1, capacity=1)
@@ -141,8 +141,8 @@ def test_handshake_timeout_names_its_setting():
 
 
 def test_non_loopback_bind_needs_curve_or_explicit_opt_in():
-    from asyncrl.pool.ledger import PromptLedger
     from asyncrl.pool.buffer import RolloutPool
+    from asyncrl.pool.ledger import PromptLedger
 
     pool = RolloutPool(PromptLedger(4), group_size=1, capacity=1)
     with pytest.raises(ValueError, match="curve_secret_key"):
@@ -184,8 +184,8 @@ def test_cancel_after_a_reset_keeps_the_leases_granted_since():
     """The bad interleaving forced: the reset pool grants the new timeline's leases before its CANCEL of the
     old timeline leaves. The worker must keep them (it used to drop every queued lease, which the ledger
     then counted as held until lease_timeout_s: the stall of load_state_dict with running workers)."""
-    from asyncrl.pool.ledger import PromptLedger
     from asyncrl.pool.buffer import RolloutPool
+    from asyncrl.pool.ledger import PromptLedger
     from asyncrl.transport.zmq import ZmqRolloutSender
 
     pool = RolloutPool(PromptLedger(32), group_size=1, capacity=32)
@@ -247,8 +247,8 @@ def test_a_worker_that_reads_late_still_gets_shutdown():
     from zmq.utils.monitor import recv_monitor_message
 
     from asyncrl.codec import decode, encode
-    from asyncrl.pool.ledger import PromptLedger
     from asyncrl.pool.buffer import RolloutPool
+    from asyncrl.pool.ledger import PromptLedger
     from asyncrl.transport import protocol as P
 
     pool = RolloutPool(PromptLedger(4), group_size=1, capacity=1)

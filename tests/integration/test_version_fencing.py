@@ -14,10 +14,10 @@ import torch
 
 from asyncrl import HFEngineConfig, LoaderConfig, RolloutLoader, TransportConfig, WorkerConfig
 from asyncrl.config import WeightSyncConfig
+from asyncrl.testing.tiny_model import build_tiny_model
 from asyncrl.train.logprobs import token_logprobs
 from asyncrl.weights import setup_weight_broadcaster
 from tests.engine_utils import TOL, load_model, perturbed
-from asyncrl.testing.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.integration
 

@@ -27,11 +27,11 @@ import pytest
 import torch
 
 from asyncrl.config import VllmEngineConfig
+from asyncrl.testing.tiny_model import build_tiny_model
 from asyncrl.train.logprobs import token_logprobs
 from asyncrl.weights.base import WeightUpdate
 from tests.engine_utils import SAMPLING, TOL, load_model, lora_update, merged_with, perturbed
 from workers.engines import Completion, Finished, GenerationRequest, build_engine
-from asyncrl.testing.tiny_model import build_tiny_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]
 
@@ -211,8 +211,8 @@ def test_a_refused_update_in_flight_leaves_the_requests_on_the_old_weights(engin
 def test_the_streaming_worker_loop_on_vllm_answers_every_lease_once_across_an_in_flight_update(engine, model_dir):
     """The worker's streaming loop (workers/streaming.py, with the channel fakes of its unit tests) on this engine: each
     lease answered once, the update applied in flight, the rollouts' spans and logprobs right per version."""
-    from tests.unit.test_streaming import StagedWeights, StreamSender, _lease
     from asyncrl.rewards.legacy import fake_reward
+    from tests.unit.test_streaming import StagedWeights, StreamSender, _lease
     from workers.worker import RolloutWorker
 
     base = load_model(model_dir)

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from asyncrl.config import VllmEngineConfig
+from asyncrl.testing.tiny_model import build_tiny_model
 from asyncrl.weights.base import WeightUpdate
 from asyncrl.weights.shm import ShmWeightBroadcaster, ShmWeightReceiver
 from tests.engine_utils import PROMPTS, SAMPLING, TOL, load_model, max_logprob_diff, perturbed
 from workers.engines import GenerationRequest, build_engine
-from asyncrl.testing.tiny_model import build_tiny_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from asyncrl.codec import DecodeError
-from asyncrl.train.logprobs import batch_logprobs, batch_sampling, token_logprobs
 from asyncrl.rollout import Group, Rollout
+from asyncrl.train.logprobs import batch_logprobs, batch_sampling, token_logprobs
 from datapipes.collate import collate_groups
 from tests.unit.test_rollout import make_rollout, over_wire
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from asyncrl import codec
 from asyncrl.codec import (

@@ -155,12 +155,12 @@ def test_bad_data_is_refused_naming_file_and_column(tmp_path, tok):
     with pytest.raises(ValueError, match=r"data\.txt.*unknown file type '\.txt'"):
         load(tmp_path / "data.txt")
     wrong = _jsonl(tmp_path / "wrong.jsonl", [{"prompt": "ok"}, {"prompt": 5}])
-    with pytest.raises(ValueError, match=r"wrong\.jsonl.*row 1, column 'prompt'"):
+    with pytest.raises(ValueError, match=r"wrong\.jsonl.*row 2, column 'prompt'"):  # rows are 1-based
         load(wrong)
     broken_turns = _jsonl(tmp_path / "turns.jsonl", [{"messages": [{"content": "no role"}]}])
-    with pytest.raises(ValueError, match=r"turns\.jsonl.*row 0, column 'messages'.*role"):
+    with pytest.raises(ValueError, match=r"turns\.jsonl.*row 1, column 'messages'.*role"):
         load(broken_turns)
-    with pytest.raises(ValueError, match=r"chat\.jsonl.*row 0.*chat_template=False"):
+    with pytest.raises(ValueError, match=r"chat\.jsonl.*row 1.*chat_template=False"):
         load(_jsonl(tmp_path / "chat.jsonl", MESSAGES), chat_template=False)
 
 
@@ -171,7 +171,7 @@ def test_a_column_that_cannot_travel_is_named(tmp_path, tok):
 
     path = tmp_path / "when.parquet"
     datasets.Dataset.from_list([{"prompt": "hi", "when": datetime.datetime(2026, 1, 1)}]).to_parquet(str(path))
-    with pytest.raises(ValueError, match=r"when\.parquet.*row 0, column 'when' cannot travel"):
+    with pytest.raises(ValueError, match=r"when\.parquet.*row 1, column 'when' cannot travel"):
         load_prompts(DataConfig(source="datasets", path=str(path)), tok)
     (item,) = load_prompts(DataConfig(source="datasets", path=str(path), columns=[]), tok)
     assert set(item) == {"prompt_ids", "prompt"}
@@ -209,8 +209,49 @@ def test_the_warm_start_masks_the_prompt_by_its_tokens(tmp_path, tok):
         assert tok.decode(trained) == item["answer"] + "<|im_end|>"
         chars = 1 + len(tok.decode(item["prompt_ids"]))  # the old mask, in characters: wrong for BPE
         assert chars != n
-    with pytest.raises(ValueError, match=r"needs an 'answer' column; items \[0\]"):
+    with pytest.raises(ValueError, match=r"trains on column 'answer' \(data.answer_column\).*1 of 1 items have no "
+                                         r"value.*set data.answer_column"):
         sft_batch([{"prompt_ids": [1, 2], "prompt": "x"}], tok)
+    with pytest.raises(ValueError, match=r"1 of 2 items have no value"):  # None would train the model to say "None"
+        sft_batch([{"prompt_ids": [1], "answer": "3"}, {"prompt_ids": [1], "answer": None}], tok)
+
+
+def test_the_warm_start_s_answer_column_is_configurable(tmp_path, tok):
+    rows = [{"prompt": "1+2=", "solution": "3"}, {"prompt": "2+2=", "solution": "4"}]
+    prompts = load_prompts(DataConfig(source="datasets", path=_jsonl(tmp_path / "s.jsonl", rows),
+                                      answer_column="solution"), tok, required_columns={"solution": "the warm start"})
+    ids, labels = sft_batch(list(prompts), tok, answer_column="solution")
+    assert tok.decode(labels[0][labels[0] != -100].tolist()).startswith("3")
+    with pytest.raises(ValueError, match="answer_column"):
+        DataConfig(answer_column="")
+
+
+@pytest.mark.parametrize(("rows", "needed", "message"), [
+    ([{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": ""}], {"answer": "the reward function 'exact'"},
+     r"empty\.jsonl': row 2: column 'answer', which the reward function 'exact' reads, is empty"),
+    ([{"prompt": "a", "answer": "1"}, {"prompt": "b"}, {"prompt": "c", "answer": "3"}], {"answer": "the warm start"},
+     r"empty\.jsonl': row 2: column 'answer', which the warm start reads, is empty \(None\)"),
+    ([{"prompt": "a", "answer": "1"}, {"prompt": "  ", "answer": "2"}], {},
+     r"empty\.jsonl': row 2: the prompt \(column 'prompt'\) is empty"),
+    ([{"prompt": "a"}], {"answer": "the reward function 'exact'"},
+     r"empty\.jsonl': no column 'answer', which the reward function 'exact' reads; its columns are \['prompt'\]"),
+    ([{"prompt": "a", "answer": "1"}], {"answer": "the warm start"}, None),  # data.columns leaves it out
+], ids=["empty-string", "missing-key", "empty-prompt", "no-column", "dropped-by-columns"])
+def test_an_empty_value_the_run_reads_is_refused_with_its_row_and_file(tmp_path, tok, rows, needed, message):
+    path = _jsonl(tmp_path / "empty.jsonl", rows)
+    if message is None:
+        with pytest.raises(ValueError, match=r"data.columns=\[\] leaves out column 'answer'"):
+            load_prompts(DataConfig(source="datasets", path=path, columns=[]), tok, required_columns=needed)
+        return
+    with pytest.raises(ValueError, match=message):
+        load_prompts(DataConfig(source="datasets", path=path), tok, required_columns=needed)
+
+
+def test_image_parts_without_images_are_refused(tmp_path, tok):
+    turns = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "how many?"}]}]
+    path = _jsonl(tmp_path / "img.jsonl", [{"messages": turns, "images": []}])
+    with pytest.raises(ValueError, match=r"img\.jsonl': row 1: its messages reference 1 image.*column 'images' is empty"):
+        load_prompts(DataConfig(source="datasets", path=path), tok)
 
 
 def test_a_hub_name_offline_is_refused_naming_it(tok, monkeypatch):

@@ -8,11 +8,10 @@ import math
 import pytest
 import torch
 
-from asyncrl.config import FaultConfig
-from asyncrl.config import DebugConfig
+from asyncrl.config import DebugConfig, FaultConfig
 from asyncrl.debug.detectors import AnomalyDetectors, Debugger
-from asyncrl.debug.record import FIXED_EDGES, read_records, step_record, summarize
 from asyncrl.debug.dump import read_dump
+from asyncrl.debug.record import FIXED_EDGES, read_records, step_record, summarize
 from asyncrl.rollout import Group, Rollout
 from datapipes.collate import collate_groups
 from workers import faults

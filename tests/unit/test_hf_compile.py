@@ -16,11 +16,10 @@ import pytest
 import torch
 
 from asyncrl.config import HFEngineConfig
-from tests.engine_utils import SAMPLING, TOL, max_logprob_diff
-from workers.engines import _hf_decode
-from workers.engines._hf_decode import LENGTH_QUANTUM, MAX_SHAPES, CompiledStep
-from workers.engines import GenerationRequest, build_engine
 from asyncrl.testing.tiny_model import build_tiny_model
+from tests.engine_utils import SAMPLING, TOL, max_logprob_diff
+from workers.engines import GenerationRequest, _hf_decode, build_engine
+from workers.engines._hf_decode import LENGTH_QUANTUM, MAX_SHAPES, CompiledStep
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from asyncrl.config import HFEngineConfig
+from asyncrl.testing.tiny_model import build_tiny_model
 from asyncrl.train.logprobs import token_logprobs
 from tests.engine_utils import SAMPLING, TOL, lora_update, max_logprob_diff
+from workers.engines import GenerationRequest, build_engine
 from workers.engines._hf_decode import decode, supports_decode, warpers
 from workers.engines._sampling import sample
-from workers.engines import GenerationRequest, build_engine
-from asyncrl.testing.tiny_model import build_tiny_model
 
 PLAIN = dict(temperature=1.0, top_k=0, top_p=1.0)
 

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from asyncrl.config import HFEngineConfig
+from asyncrl.testing.tiny_model import build_tiny_model
 from asyncrl.train.logprobs import sampling_logprobs, token_logprobs
 from asyncrl.weights.base import WeightUpdate
+from tests.engine_utils import PROMPTS, SAMPLING, TOL, load_model, lora_update, max_logprob_diff
 from workers.engines import Completion, GenerationRequest, build_engine
 from workers.engines._rows import length_targets
 from workers.engines.hf import HFEngine
-from asyncrl.testing.tiny_model import build_tiny_model
-from tests.engine_utils import PROMPTS, SAMPLING, TOL, load_model, lora_update, max_logprob_diff
 
 EOS = 2
 

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from asyncrl.config import HFEngineConfig
+from asyncrl.testing.tiny_model import build_tiny_model
 from asyncrl.train.logprobs import token_logprobs
 from asyncrl.weights.base import WeightUpdate
 from tests.engine_utils import PROMPTS, SAMPLING, collate, load_model, max_logprob_diff, perturbed
 from workers.engines import Completion, Finished, GenerationRequest, build_engine
 from workers.engines.hf import HFEngine
-from asyncrl.testing.tiny_model import build_tiny_model
 
 TOL = 1e-5
 
@@ -264,9 +264,9 @@ def test_lora_update_in_flight_keep(model_dir):
 def test_streaming_worker_loop_on_hf_answers_every_lease_once_across_an_in_flight_update(model_dir):
     """The worker's streaming loop (workers/streaming.py, with the channel fakes of its unit tests) on this engine:
     each lease answered once, the update applied in flight, every rollout's spans and per-span logprobs right."""
+    from asyncrl.rewards.legacy import fake_reward
     from asyncrl.rollout import Rollout
     from tests.unit.test_streaming import StagedWeights, StreamSender, _lease
-    from asyncrl.rewards.legacy import fake_reward
     from workers.worker import RolloutWorker
 
     engine = make_engine(model_dir, ignore_eos=True, max_new_tokens=12, max_num_seqs=8)

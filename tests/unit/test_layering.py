@@ -134,6 +134,33 @@ def test_core_asyncrl_never_imports_workers_or_datapipes():
     assert not offenders, "core asyncrl imports the layers above it:\n" + "\n".join(offenders)
 
 
+TRACKER_LIBRARIES = ("tensorboard", "wandb", "mlflow", "torch.utils.tensorboard")
+"""Optional extras (``report_to``): imported by ``asyncrl.integrations.trackers`` alone, inside functions."""
+
+
+def test_experiment_trackers_stay_optional_and_out_of_core():
+    """No core module imports ``asyncrl.integrations`` (where the trackers live), and the trackers' libraries are
+    imported only by ``asyncrl.integrations.trackers``, inside the function that needs one: a run without them, or
+    a worker process, never imports them."""
+    offenders = []
+    for name, path in _modules().items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        local = {id(n) for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))} - {
+            id(n) for n in _top_level_imports(tree)}
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if name.startswith("asyncrl") and not _is_application(name) and any(
+                    t.startswith("asyncrl.integrations") for t in _targets(name, path, node, {}) | set(names)):
+                offenders.append(f"{name}:{node.lineno} (core) imports asyncrl.integrations")
+            for lib in names:
+                if any(lib == t or lib.startswith(f"{t}.") for t in TRACKER_LIBRARIES):
+                    if name != "asyncrl.integrations.trackers" or id(node) not in local:
+                        offenders.append(f"{name}:{node.lineno} imports {lib}")
+    assert not offenders, "experiment trackers imported where they must not be:\n" + "\n".join(offenders)
+
+
 def test_no_package_has_an_import_cycle():
     cycles = _cycles(_graph())
     assert not cycles, "import cycles (module-level imports):\n" + "\n".join(" <-> ".join(c) for c in cycles)

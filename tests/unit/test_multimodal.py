@@ -12,7 +12,6 @@ import torch
 
 from asyncrl.codec import DecodeError, decode, encode
 from asyncrl.config import GateConfig
-from asyncrl.pool.gate import GateError, check_group
 from asyncrl.data.images import (
     MAX_IMAGES,
     ImageError,
@@ -22,11 +21,12 @@ from asyncrl.data.images import (
     prompt_images,
     verify_images,
 )
-from asyncrl.pool.ledger import PromptLedger
+from asyncrl.data.visual_task import draw_squares, visual_count_prompts
 from asyncrl.pool.buffer import RolloutPool
+from asyncrl.pool.gate import GateError, check_group
+from asyncrl.pool.ledger import PromptLedger
 from asyncrl.rollout import Group, Rollout
 from datapipes.collate import collate_groups
-from asyncrl.data.visual_task import draw_squares, visual_count_prompts
 
 GROUP_SIZE = 2
 

@@ -8,9 +8,9 @@ import math
 import pytest
 
 from asyncrl.codec import decode, dumps_json, encode, loads_json
+from asyncrl.pool.buffer import RolloutPool
 from asyncrl.pool.ledger import PromptLedger, PromptState
 from asyncrl.pool.poison import PoisonedPromptError, reissue_backoff_s
-from asyncrl.pool.buffer import RolloutPool
 from tests.unit.test_pool import deliver, make_group
 
 ERROR = "ValueError: an engine needs a prompt with 'prompt_ids' or 'text', got {'foo': 1}"

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncrl.pool.ledger import PromptLedger, PromptState
 from asyncrl.pool.buffer import RolloutPool
+from asyncrl.pool.ledger import PromptLedger, PromptState
 from asyncrl.rollout import Group, Rollout
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -17,9 +17,7 @@ import pytest
 import torch
 
 from asyncrl.checkpoint.checkpointer import BASE, MODEL, OPTIM, BaseMismatch, Checkpointer
-from asyncrl.config import EngineConfig, HFEngineConfig, from_dict
-from asyncrl.config import GuardConfig
-from asyncrl.train.guard import UpdateGuard
+from asyncrl.config import EngineConfig, GuardConfig, HFEngineConfig, from_dict
 from asyncrl.models.qlora import (
     FSDP2_REFUSAL,
     VLLM_REFUSAL,
@@ -28,11 +26,12 @@ from asyncrl.models.qlora import (
     load_quantized_base,
     parameter_bytes,
 )
+from asyncrl.testing.tiny_model import build_tiny_model
+from asyncrl.train.guard import UpdateGuard
 from asyncrl.weights.base import WeightUpdate
 from asyncrl.weights.state import policy_state
 from tests.engine_utils import PROMPTS, SAMPLING, TOL, load_model, max_logprob_diff
 from workers.engines import GenerationRequest, build_engine
-from asyncrl.testing.tiny_model import build_tiny_model
 
 bnb = pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (pip install -e '.[qlora]')")
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from asyncrl.testing.tiny_model import build_tiny_model
 from asyncrl.train.logprobs import token_logprobs
 from asyncrl.train.reference import ReferencePolicy
-from asyncrl.testing.tiny_model import build_tiny_model
 
 SAMPLING = {"temperature": 0.9, "top_k": 0, "top_p": 1.0}
 

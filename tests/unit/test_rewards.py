@@ -144,12 +144,14 @@ def test_async_rewards_run_concurrently_across_the_batch_on_one_loop():
 class FakeSender:
     def __init__(self):
         self.groups, self.failed, self.status, self.done = [], [], {}, False
+        self.culprits = []
 
     def send_group(self, lease, group):
         self.groups.append((lease.lease_id, group))
 
-    def send_failed(self, lease, error):
+    def send_failed(self, lease, error, culprit=None):
         self.failed.append((lease.lease_id, error))
+        self.culprits.append(culprit)
 
 
 def picky(prompts, completions, bad=None, **kwargs):

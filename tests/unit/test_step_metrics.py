@@ -63,8 +63,8 @@ def test_decoder_layers_of_a_plain_and_a_peft_model(tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.train.parallel import decoder_layers
     from asyncrl.testing.tiny_model import build_tiny_model
+    from asyncrl.train.parallel import decoder_layers
 
     model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m"))
     layers = decoder_layers(model)

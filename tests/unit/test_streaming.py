@@ -13,10 +13,10 @@ import pytest
 
 from asyncrl.config import FakeEngineConfig, HFEngineConfig, VllmEngineConfig, WorkerConfig
 from asyncrl.rewards import RewardSet
+from asyncrl.rewards.legacy import fake_reward
 from asyncrl.transport import ReceivedLease
 from workers.engines.base import GenerationRequest
 from workers.engines.fake import FakeEngine
-from asyncrl.rewards.legacy import fake_reward
 from workers.worker import RolloutWorker
 
 SPT = 0.002  # seconds per token of the fake engine
@@ -29,6 +29,7 @@ class StreamSender:
         self.queue = collections.deque(leases)
         self.answers = len(leases)
         self.groups, self.failed, self.sent_at, self.status = [], [], [], {}
+        self.culprits = []
         self.taken: list[int] = []
 
     @property
@@ -44,8 +45,9 @@ class StreamSender:
         self.groups.append((lease.lease_id, group))
         self.sent_at.append(time.perf_counter())
 
-    def send_failed(self, lease, error):
+    def send_failed(self, lease, error, culprit=None):
         self.failed.append((lease.lease_id, error))
+        self.culprits.append(culprit)
 
 
 class StagedWeights:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.pool.ledger import PromptLedger, PromptState
 from asyncrl.pool.buffer import RolloutPool
+from asyncrl.pool.ledger import PromptLedger, PromptState
 from asyncrl.pool.timeline import Timeline, new_incarnation
 from tests.unit.test_pool import make_group
 

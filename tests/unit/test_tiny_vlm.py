@@ -11,8 +11,8 @@ import torch
 from transformers import AutoProcessor
 
 from asyncrl.data.images import processor_inputs
-from asyncrl.testing.tiny_vlm import IMAGE_TOKEN, VISION_TOKENS, build_tiny_vlm
 from asyncrl.data.visual_task import draw_squares
+from asyncrl.testing.tiny_vlm import IMAGE_TOKEN, VISION_TOKENS, build_tiny_vlm
 
 
 def test_builds_deterministically_and_reuses(tiny_vlm, tmp_path):
@@ -45,8 +45,8 @@ def test_loads_with_processor_and_template(tiny_vlm):
 
 def test_update_guard_sees_the_vision_tower(tiny_vlm):
     from asyncrl.config import GuardConfig
-    from asyncrl.train.guard import UpdateGuard
     from asyncrl.models.loading import load_causal_lm
+    from asyncrl.train.guard import UpdateGuard
 
     model = load_causal_lm(tiny_vlm, torch.float32)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -65,8 +65,8 @@ def test_update_guard_sees_the_vision_tower(tiny_vlm):
 
 def test_update_guard_rejects_and_undoes_an_oversized_vision_update(tiny_vlm):
     from asyncrl.config import GuardConfig
-    from asyncrl.train.guard import UpdateGuard
     from asyncrl.models.loading import load_causal_lm
+    from asyncrl.train.guard import UpdateGuard
 
     model = load_causal_lm(tiny_vlm, torch.float32)
     for n, p in model.named_parameters():  # only the vision tower trains: the diff the guard sees is all its own

@@ -67,8 +67,8 @@ def _learns(tiny_vlm: str) -> None:
     import torch
 
     from asyncrl.config import DataConfig
-    from asyncrl.data.prompts import load_prompts, sft_batch
     from asyncrl.data.images import processor_inputs
+    from asyncrl.data.prompts import load_prompts, sft_batch
     from asyncrl.models.loading import load_causal_lm, load_processor
 
     processor = load_processor(tiny_vlm)

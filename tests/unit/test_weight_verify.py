@@ -10,14 +10,13 @@ import pytest
 import torch
 import xxhash
 
-from asyncrl.config import FaultConfig, HFEngineConfig
-from asyncrl.config import DebugConfig
+from asyncrl.config import DebugConfig, FaultConfig, HFEngineConfig
 from asyncrl.debug.detectors import AnomalyDetectors
+from asyncrl.testing.tiny_model import build_tiny_model
 from asyncrl.weights.base import WeightUpdate
 from asyncrl.weights.verify import WeightVerifier, names_to_check, tensor_checksum, weight_mismatches
 from tests.engine_utils import lora_update, perturbed
 from workers.engines import build_engine
-from asyncrl.testing.tiny_model import build_tiny_model
 from workers.worker import RolloutWorker
 
 

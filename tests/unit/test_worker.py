@@ -9,26 +9,28 @@ import pytest
 import torch
 
 from asyncrl.config import HFEngineConfig
+from asyncrl.rewards.legacy import arithmetic_reward, call_reward, fake_reward
+from asyncrl.testing.tiny_model import build_tiny_model
 from asyncrl.train.logprobs import token_logprobs
 from asyncrl.transport import ReceivedLease
 from asyncrl.weights import WeightUpdate
 from tests.engine_utils import SAMPLING, TOL, load_model, perturbed
 from workers.engines import Completion, build_engine
 from workers.environments import ArithmeticRetryEnv
-from asyncrl.rewards.legacy import arithmetic_reward, call_reward, fake_reward
-from asyncrl.testing.tiny_model import build_tiny_model
 from workers.worker import RolloutWorker
 
 
 class FakeSender:
     def __init__(self):
         self.groups, self.failed, self.status, self.done = [], [], {}, False
+        self.culprits = []
 
     def send_group(self, lease, group):
         self.groups.append(group)
 
-    def send_failed(self, lease, error):
+    def send_failed(self, lease, error, culprit=None):
         self.failed.append((lease.lease_id, error))
+        self.culprits.append(culprit)
 
 
 class FakeWeights:

@@ -45,8 +45,8 @@ import torch
 
 from asyncrl.config import HFEngineConfig
 from asyncrl.data.images import prompt_images, vision_token_ids
-from workers.engines._hf_decode import CompiledStep, decode, supports_decode, warpers
 from asyncrl.models.loading import load_causal_lm, load_processor
+from workers.engines._hf_decode import CompiledStep, decode, supports_decode, warpers
 from workers.engines._multimodal import hf_image_inputs
 from workers.engines._rows import left_pad, length_targets
 from workers.engines.base import Completion, Engine, Finished, GenerationRequest, prompt_token_ids

@@ -50,9 +50,9 @@ import torch
 
 from asyncrl._owned_dir import make_owned_dir
 from asyncrl.config import VllmEngineConfig
-from workers.engines.base import Completion, Engine, Finished, GenerationRequest, prompt_token_ids
 from workers.engines._multimodal import vllm_image_data
 from workers.engines._rows import length_targets
+from workers.engines.base import Completion, Engine, Finished, GenerationRequest, prompt_token_ids
 
 __all__ = ["VLLMEngine"]
 
