@@ -120,12 +120,6 @@ def process_cpu_s(pid: int) -> float:
     return total / 1e9
 
 
-def head_commit() -> str | None:
-    """This checkout's commit (``git_commit`` reads ``.git`` as a directory; in a worktree it is a file)."""
-    found = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return git_commit() or (found.stdout.strip() if found.returncode == 0 else None)
-
-
 def export_tree(ref: str, into: Path) -> str:
     """The packages of ``ref`` (a commit, branch or tag of this repository) under ``into``; returns its commit."""
     commit = subprocess.run(["git", "rev-parse", ref], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
@@ -329,7 +323,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     phases = [x for x in args.phases.split(",") if x]
     result: dict[str, Any] = {
         "benchmark": "control_plane", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "commit": head_commit(), "machine": machine(), "load_avg_start": os.getloadavg(),
+        "commit": git_commit(), "machine": machine(), "load_avg_start": os.getloadavg(),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()} | {
             "group_size": GROUP_SIZE, "window": {"max_staleness": 1, "batch_size": 8, "slots": 8, "max_batch": 4}},
         "targets": TARGETS, "trees": {},
@@ -340,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             base = Path(tmp) / "baseline"
             base.mkdir()
             trees.append(("baseline", base, export_tree(args.baseline_ref, base)))
-        trees.append(("current", ROOT, head_commit()))
+        trees.append(("current", ROOT, git_commit()))
         for name, tree, commit in trees:
             print(f"{name} ({commit})", flush=True)
             r: dict[str, Any] = {"ref": args.baseline_ref if name == "baseline" else "HEAD", "commit": commit}
