@@ -100,6 +100,11 @@ HOUSEKEEPING_PER_HEARTBEAT = 2
 ``lease_timeout_s``)."""
 SHUTDOWN_LINGER_MS = 1000
 MAX_DRAIN = 256
+ANSWERED_HEARTBEAT_SLACK = 1.1
+"""After a pool's heartbeat, a worker's own heartbeat is due at least this many intervals later (the pool's next one
+normally comes first, and is answered): its heartbeats stay at most 1.6 intervals apart."""
+TIMER_EARLY_S = 0.005
+"""A worker's heartbeat timer due within this many seconds counts as due (a poll's timeout may end that early)."""
 REGREET_AFTER_HEARTBEATS = 2.5
 """A worker that has heard nothing from a pool for this many ``heartbeat_s`` says HELLO again."""
 SHUTDOWN_ACK_S = 2.0
@@ -838,7 +843,7 @@ class ZmqRolloutSender(RolloutSender):
             greet_again = self._greet_again.is_set()
             self._greet_again.clear()
             self._pool_heartbeat = False
-            wake_at = next_heartbeat
+            wake_at = math.inf  # the earliest timer, below (the heartbeat last: a pool's may move it)
             for i, d in enumerate(dealers):
                 if d in events and drain(d, lambda frames, i=i, d=d: self._handle(i, d, frames), MAX_DRAIN):
                     last_seen[i] = now
@@ -868,14 +873,21 @@ class ZmqRolloutSender(RolloutSender):
                 wake_at = min(wake_at, regreet_at)
                 if not self._lost[i]:
                     wake_at = min(wake_at, last_seen[i] + self.config.peer_timeout_s + 0.001)
-            # a pool's heartbeat is answered at once when ours is due within half an interval: one wake for both
-            if now >= next_heartbeat or (self._pool_heartbeat and now >= next_heartbeat - hb / 2):
+            # a pool's heartbeat is answered at once when ours is due within half an interval: one wake for both.
+            # After a pool's heartbeat our own timer waits a little longer than an interval, so that the pool's next
+            # heartbeat (an interval later, plus its own delays) comes first and is answered in its wake; on an
+            # interval of our own, the two would alternate and wake this thread twice per heartbeat. (A poll's
+            # timeout may end a few milliseconds early: a timer due that soon counts as due.)
+            answered = self._pool_heartbeat and now >= next_heartbeat - hb / 2
+            if now + TIMER_EARLY_S >= next_heartbeat or answered:
                 next_heartbeat = now + hb
                 frames = encode(P.HEARTBEAT, {"status": dict(self.status)})
                 for i, d in enumerate(dealers):
                     if self._welcomed[i] and not self._shutdown[i]:
                         self._send_frames(d, P.HEARTBEAT, frames)
-                wake_at = min(wake_at, next_heartbeat)
+            if self._pool_heartbeat:
+                next_heartbeat = max(next_heartbeat, now + hb * ANSWERED_HEARTBEAT_SLACK)
+            wake_at = min(wake_at, next_heartbeat)
             if any(self._pending):  # groups a full queue held back: retried soon
                 wake_at = min(wake_at, now + 0.02)
             live = [i for i in range(n) if self._welcomed[i] and not self._shutdown[i]]

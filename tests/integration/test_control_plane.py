@@ -136,7 +136,7 @@ def test_idle_ends_wait_for_events_instead_of_polling():
     finally:
         sender.close()
         receiver.close()
-    assert worker_wakes <= 3 * 10 + 5, worker_wakes
+    assert worker_wakes <= 2 * 10 + 5, worker_wakes  # about one: it answers the pool's heartbeat in that wake
     assert pool_wakes <= 4 * 10 + 5, pool_wakes  # its heartbeats, the worker's, housekeeping twice per heartbeat
     assert statuses["credits_withheld_no_prompt_s"] > 0  # the wait is still charged, without a grant pass per tick
 
