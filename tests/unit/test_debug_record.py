@@ -143,3 +143,21 @@ def test_worker_faults_corrupt_what_they_say():
     assert 140 < hits < 260
     assert faults.skips_weights(FaultConfig(kind="stale_weights", from_version=2), 2)
     assert not faults.skips_weights(FaultConfig(kind="stale_weights", from_version=2), 1)
+
+
+def test_fault_windows_chain_in_turn_and_may_not_overlap():
+    """One run can inject several faults in turn (the debugger's recipe test does): each is active in its window
+    only, the next one after it, healthy versions in between."""
+    chain = FaultConfig(kind="exploding_reward", from_version=4, until_version=5, then=FaultConfig(
+        kind="shift_logprobs", from_version=6, until_version=7, then=FaultConfig(kind="stale_weights", from_version=8)))
+    assert [getattr(faults.active(chain, v), "kind", None) for v in range(10)] == [
+        None, None, None, None, "exploding_reward", None, "shift_logprobs", None, "stale_weights", "stale_weights"]
+    assert faults.affects_group(chain, "e0-p1", 1, policy_version=4) and not faults.affects_group(chain, "e0-p1", 1, 5)
+    assert [faults.skips_weights(chain, v) for v in (6, 7, 8, 12)] == [False, False, True, True]
+    with pytest.raises(ValueError, match="must be above"):
+        FaultConfig(kind="nan_logprobs", from_version=4, until_version=4)
+    with pytest.raises(ValueError, match="may not overlap"):
+        FaultConfig(kind="nan_logprobs", from_version=4, then=FaultConfig(kind="shift_logprobs", from_version=6))
+    with pytest.raises(ValueError, match="may not overlap"):
+        FaultConfig(kind="nan_logprobs", from_version=4, until_version=7,
+                    then=FaultConfig(kind="shift_logprobs", from_version=6))
