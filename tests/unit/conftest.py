@@ -1,7 +1,8 @@
 """The unit tier's rule, as a mechanism: a test under ``tests/unit/`` spawns no process and opens no socket.
 
-While any unit test runs (its fixtures included), creating a socket (``socket.socket``, hence ``socketpair`` and every
-library built on it), a ZeroMQ context or socket, a process (``subprocess.Popen`` and everything built on it,
+While any unit test runs (its fixtures included), opening a socket (``socket.socket``, hence every library built on
+it; ``socket.socketpair``, an unnamed in-process pair such as asyncio's wake-up pipe, stays allowed), a ZeroMQ context
+or socket, a process (``subprocess.Popen`` and everything built on it,
 ``os.fork``/``os.posix_spawn``/``os.system``, any ``multiprocessing`` start method, ``torch.multiprocessing.spawn``) or a
 ``torch.distributed`` process group raises :class:`UnitTierViolation` with a message naming the call and saying where
 the test belongs. A violation that the code under test catches and swallows is still recorded, and the test fails at
@@ -39,13 +40,22 @@ def _refuse(what: str):
     return refuse
 
 
+_socket_init = socket.socket.__init__
+
+
+def _socket_init_wrapping_only(self, family=-1, type=-1, proto=-1, fileno=None):
+    """``socket.socket()`` may only wrap a descriptor that already exists (what ``socket.socketpair`` hands back: an
+    unnamed in-process pair, asyncio's wake-up pipe); opening a new socket is refused."""
+    if fileno is None:
+        _refuse("socket.socket()")()
+    _socket_init(self, family, type, proto, fileno)
+
+
 def _guarded_targets() -> list[tuple[object, str, str]]:
     """(owner, attribute, what) for every entry point the unit tier refuses."""
     import zmq
 
     targets: list[tuple[object, str, str]] = [
-        (socket.socket, "__init__", "socket.socket()"),
-        (socket, "socketpair", "socket.socketpair()"),
         (socket, "create_connection", "socket.create_connection()"),
         (socket, "create_server", "socket.create_server()"),
         (zmq.Context, "__init__", "zmq.Context()"),
@@ -73,6 +83,7 @@ def _no_process_no_socket():
     """Installed once for the whole unit tier (so module- and class-scoped fixtures are covered too), removed after
     its last test, before any integration test runs."""
     with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(socket.socket, "__init__", _socket_init_wrapping_only)
         for owner, name, what in _guarded_targets():
             if hasattr(owner, name):
                 patch.setattr(owner, name, _refuse(what))

@@ -23,7 +23,7 @@ def _spawn_child() -> None:
 
 CALLS = {
     "socket": lambda: socket.socket(),
-    "socketpair": lambda: socket.socketpair(),
+    "socket AF_UNIX": lambda: socket.socket(socket.AF_UNIX),
     "create_connection": lambda: socket.create_connection(("127.0.0.1", 9)),
     "zmq.Context": lambda: zmq.Context(),
     "subprocess.run": lambda: subprocess.run([sys.executable, "-c", "pass"]),
@@ -47,3 +47,13 @@ def test_a_process_group_is_refused():
     with pytest.raises(conftest.UnitTierViolation, match="init_process_group"):
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:1", rank=0, world_size=1)
     conftest._violations.clear()
+
+
+def test_an_in_process_socketpair_and_so_an_asyncio_loop_are_allowed():
+    import asyncio
+
+    a, b = socket.socketpair()  # unnamed, in-process: asyncio's wake-up pipe
+    a.close()
+    b.close()
+    assert asyncio.run(asyncio.sleep(0, result=7)) == 7
+    assert not conftest._violations

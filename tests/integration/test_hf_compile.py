@@ -21,6 +21,8 @@ from tests.engine_utils import SAMPLING, TOL, max_logprob_diff
 from workers.engines import GenerationRequest, _hf_decode, build_engine
 from workers.engines._hf_decode import LENGTH_QUANTUM, MAX_SHAPES, CompiledStep
 
+pytestmark = pytest.mark.integration  # torch.compile's inductor starts compile worker processes
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
