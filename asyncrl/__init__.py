@@ -19,8 +19,8 @@ __version__ = "0.1.0"
 
 _CONFIGS = ("CheckpointConfig", "DataConfig", "DebugConfig", "EngineConfig", "FakeEngineConfig", "GateConfig",
             "GuardConfig", "HFEngineConfig", "LoaderConfig", "LoraConfig", "LossConfig", "ModelConfig", "RecipeConfig",
-            "RewardConfig", "TrackingConfig", "TrainConfig", "TransportConfig", "VllmEngineConfig", "WeightSyncConfig",
-            "WorkerConfig", "load_config")
+            "RelayConfig", "RewardConfig", "TrackingConfig", "TrainConfig", "TransportConfig", "VllmEngineConfig",
+            "WeightSyncConfig", "WorkerConfig", "load_config")
 
 _EXPORTS = {
     **{name: "asyncrl.config" for name in _CONFIGS},

@@ -6,6 +6,10 @@ those addresses (one per trainer rank), e.g. on another machine. Worker settings
 ``--set worker.slots=8 --set worker.engine.max_new_tokens=256`` (values are YAML, as in a recipe's overrides:
 :func:`asyncrl.config.apply_overrides`).
 
+``asyncrl relay --connect ADDR --serve-shm DIR`` runs a node's weight relay (one per rollout node): it fetches each
+weight version once from the broadcaster at ``ADDR``, verifies it and re-serves it in shared memory under ``DIR`` to
+the workers of that node (``--set worker.weights.relay=DIR``); it is replaced when it dies (``--no-supervise``: not).
+
 The debugger's commands (``asyncrl <command> --help`` for each):
 
 - ``asyncrl replay DUMP --checkpoint CKPT``: recompute a dumped batch token by token (asyncrl.debug.replay).
@@ -71,6 +75,29 @@ def _worker(args: argparse.Namespace) -> None:
     )
 
 
+def _relay(args: argparse.Namespace) -> None:
+    tree: dict[str, Any] = {"relay": {}, "transport": {}}
+    if args.config:
+        with open(args.config, "rb") as f:
+            tree.update(loads_json(f.read()))
+    relay = tree.setdefault("relay", {})
+    relay.update(connect=args.connect, directory=args.serve_shm or args.serve_cuda_ipc,
+                 serve="shm" if args.serve_shm else "cuda_ipc")
+    if args.device:
+        relay["device"] = args.device
+    apply_overrides(tree, args.set or [])
+    if args.client_key_file:  # this relay's CURVE secret key: its public key is in the broadcaster's allow-list
+        tree.setdefault("transport", {})["curve_client_key_file"] = args.client_key_file
+    from asyncrl.config import RelayConfig
+    from workers.relay import RelayLauncher, run_relay
+
+    cfg, transport = from_dict(RelayConfig, tree["relay"]), from_dict(TransportConfig, tree.get("transport", {}))
+    relay_id = args.relay_id or f"relay-{os.uname().nodename}"
+    if args.no_supervise:
+        sys.exit(run_relay(cfg, transport, relay_id=relay_id, server_key=args.server_key))
+    sys.exit(RelayLauncher(cfg, transport, relay_id=relay_id, server_key=args.server_key).run())
+
+
 _TOOLS = {
     "replay": ("asyncrl.debug.replay", "recompute a dumped batch and say token by token where rollout and trainer disagree"),
     "align": ("asyncrl.debug.align", "rollout-side vs trainer-side logprobs on the same tokens; non-zero exit above a threshold"),
@@ -103,6 +130,26 @@ def main(argv: Sequence[str] | None = None) -> None:
     w.add_argument("--parent-pid", type=int, help="exit as soon as this process is gone (the local launcher's pid)")
     w.add_argument("--log-level", default=os.environ.get("ASYNCRL_LOG_LEVEL", "WARNING"))
     w.set_defaults(func=_worker)
+    r = sub.add_parser("relay", help="run this node's weight relay: each version fetched once, re-served to the "
+                       "node's workers")
+    r.add_argument("--connect", required=True, help="the weight broadcaster's endpoint (the trainer's weights.address, "
+                   "weights.type=zmq)")
+    serve = r.add_mutually_exclusive_group(required=True)
+    serve.add_argument("--serve-shm", metavar="DIR", help="serve in shared memory under DIR (e.g. /dev/shm/asyncrl-"
+                       "relay); the node's workers set worker.weights.relay=DIR")
+    serve.add_argument("--serve-cuda-ipc", metavar="DIR", help="serve GPU workers from CUDA IPC slots on --device; DIR "
+                       "is the node's relay directory (worker.weights.relay=DIR)")
+    r.add_argument("--device", help="--serve-cuda-ipc: the GPU holding the slots (cuda:N)")
+    r.add_argument("--config", help="JSON file with 'relay' and 'transport' sections")
+    r.add_argument("--set", action="append", metavar="KEY=VALUE", help="dotted override, e.g. relay.delta=true")
+    r.add_argument("--relay-id", help="the relay's name at the broadcaster (default: relay-<host>)")
+    r.add_argument("--server-key", help="the broadcaster's CURVE public key (Z85) when it uses CURVE")
+    r.add_argument("--client-key-file", help="this relay's CURVE secret key file (its public key must be in the "
+                   "broadcaster's allow-list)")
+    r.add_argument("--no-supervise", action="store_true", help="run the relay in this process, not replaced when it "
+                   "dies (under a supervisor of your own: systemd, Ray)")
+    r.add_argument("--log-level", default=os.environ.get("ASYNCRL_LOG_LEVEL", "WARNING"))
+    r.set_defaults(func=_relay)
     for name, (_, help_text) in _TOOLS.items():
         sub.add_parser(name, help=help_text, add_help=False)
     args = parser.parse_args(argv)

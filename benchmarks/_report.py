@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -11,21 +12,14 @@ __all__ = ["git_commit", "machine"]
 
 
 def git_commit() -> str | None:
-    """HEAD's commit, read from ``.git`` (what ``git rev-parse HEAD`` prints); None outside a checkout."""
-    git = Path(__file__).resolve().parent.parent / ".git"
+    """HEAD's commit as ``git rev-parse HEAD`` prints it (a worktree's ``.git`` is a file: git reads it); None
+    outside a checkout or without git."""
     try:
-        head = (git / "HEAD").read_text().strip()
-        if not head.startswith("ref: "):
-            return head
-        ref = head.removeprefix("ref: ")
-        if (git / ref).is_file():
-            return (git / ref).read_text().strip()
-        for line in (git / "packed-refs").read_text().splitlines():
-            if line.endswith(f" {ref}"):
-                return line.split()[0]
-    except OSError:
-        pass
-    return None
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent.parent,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def machine() -> dict[str, Any]:

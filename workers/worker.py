@@ -188,6 +188,8 @@ class RolloutWorker:
                 status["weight_full_bytes"] = weights.get("full_bytes", 0)
                 status["weight_delta_bytes"] = weights.get("delta_bytes", 0)
             status["weight_apply_failures"] = self.weight_failures
+            if "path" in weights:  # behind a node relay (weights.relay): relay, direct (it is down) or both
+                status["weight_path"] = weights["path"]
             if isinstance(shadow := weights.get("shadow"), dict):  # weights.shadow (shm): versions the engine
                 # swapped in, and versions staged as views because the shadow was still held (then copied)
                 status["weights_via_shadow"] = shadow.get("swaps", 0)
@@ -411,13 +413,11 @@ def run_worker(
     receiver = None
     try:
         if wants_weights:
-            from asyncrl.weights import setup_weight_receiver
+            from asyncrl.weights.start import open_weight_receiver
 
-            delta = {"delta": True} if config.weights.delta and config.weights.type == "zmq" else {}  # shm: none
-            if config.weights.type == "zmq":  # the rollout channel's CURVE keys guard the weight channel too
-                delta.update(server_key=server_key, security=transport)
-            receiver = setup_weight_receiver(config.weights.type, config.weights.address, receiver_id=worker_id,
-                                             **delta)
+            # the backend's receiver, or behind weights.relay the node relay's with the broadcaster as its fallback
+            receiver = open_weight_receiver(config.weights, receiver_id=worker_id, transport=transport,
+                                            server_key=server_key)
             if config.weights.shadow:  # the receiver fills the engine's private copy; apply_weights swaps it in
                 receiver.attach_shadow(engine.shadow_weights())
             receiver.start()

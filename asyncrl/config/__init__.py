@@ -10,7 +10,8 @@ module                        classes                              run file sect
 :mod:`~.transport`            ``TransportConfig``                  ``rollout.transport``
 :mod:`~.worker`               ``WorkerConfig``, ``RewardConfig``   ``rollout.worker``, ``rollout.worker.reward``
 :mod:`~.engine`               ``EngineConfig`` and its ``type``s   ``rollout.worker.engine``
-:mod:`~.weights`              ``WeightSyncConfig``                 ``weights`` (and ``rollout.worker.weights``)
+:mod:`~.weights`              ``WeightSyncConfig``,                ``weights`` (and ``rollout.worker.weights``),
+                              ``RelayConfig``                      ``relay`` (``asyncrl relay``)
 :mod:`~.data`                 ``DataConfig``                       ``data``
 :mod:`~.train`                ``ModelConfig``, ``TrainConfig``,    ``model``, ``train``, ``loss``, ``guard``,
                               ``LossConfig``, ``GuardConfig``,     ``lora``, ``checkpoint``
@@ -37,7 +38,7 @@ from asyncrl.config.testing import FaultConfig, TestingConfig
 from asyncrl.config.tracking import TrackingConfig
 from asyncrl.config.train import CheckpointConfig, GuardConfig, LoraConfig, LossConfig, ModelConfig, TrainConfig
 from asyncrl.config.transport import TransportConfig
-from asyncrl.config.weights import WeightSyncConfig
+from asyncrl.config.weights import RelayConfig, WeightSyncConfig
 from asyncrl.config.worker import RewardConfig, WorkerConfig
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "ModelConfig",
     "ModelEngineConfig",
     "RecipeConfig",
+    "RelayConfig",
     "RewardConfig",
     "TestingConfig",
     "TrackingConfig",

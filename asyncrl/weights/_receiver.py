@@ -89,12 +89,17 @@ class StagedReceiver(WeightReceiver):
             raise ValueError(f"receiver {self.receiver_id}: attach_shadow() after start()")
         self._shadow = shadow
 
-    def start(self) -> None:
+    def start(self, *, wait: bool = True) -> None:
+        """Starts the I/O thread and (``wait``) blocks until the backend is ready to serve, else raises.
+
+        ``wait=False``: returns at once; a broadcaster that never answers shows only in :meth:`stats` (a receiver
+        that must not block its caller, e.g. a relayed worker's fallback opened while the relay is down)."""
         if self._io.started:
             return
         self._check_start()
         self._io.start(self._run)
-        self._wait_started()
+        if wait:
+            self._wait_started()
 
     def poll(self) -> WeightUpdate | None:
         return self._staging.poll()
@@ -106,9 +111,26 @@ class StagedReceiver(WeightReceiver):
         self._staging.commit(version)
         self._on_commit(version)
 
+    def adopt(self, version: int, incarnation: str) -> None:
+        """The engine runs ``version`` of ``incarnation``, applied from another receiver (see
+        :meth:`~asyncrl.weights._staging.StagingArea.adopt`): nothing older is staged or fetched from here on."""
+        self._staging.adopt(version, incarnation)
+
+    def listen(self, callback: Callable[[], None]) -> None:
+        """Calls ``callback()`` after every version this receiver stages (in its I/O thread, no lock held)."""
+        self._staging.listen(callback)
+
+    def newest(self) -> tuple[int | None, str]:
+        """The newest version staged or committed here and its incarnation (what a transfer must beat)."""
+        return self._staging.newest(), self._staging.newest_incarnation()
+
     @property
     def committed_version(self) -> int | None:
         return self._staging.committed_version
+
+    @property
+    def committed_incarnation(self) -> str:
+        return self._staging.committed_incarnation
 
     def stats(self) -> dict[str, Any]:
         out = self._staging.stats()

@@ -14,10 +14,11 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ __all__ = [
     "DTYPES",
     "MODES",
     "StagingArea",
+    "check_filled",
     "check_publish",
     "check_receiver_id",
     "plan_publish",
@@ -74,11 +76,41 @@ def check_publish(
 
 
 def plan_publish(tensors: Mapping[str, torch.Tensor], version: int, last: int | None, mode: str, lora_config: Any,
-                 bucket_bytes: int) -> list[Bucket]:
+                 bucket_bytes: int, plan: Sequence[Bucket] | None = None) -> list[Bucket]:
     """:func:`check_publish`, then the version's buckets (:func:`~asyncrl.weights.base.plan_buckets`): the start of
-    every bucketed backend's ``_publish``."""
+    every bucketed backend's ``_publish``.
+
+    ``plan``: the buckets a re-served version arrived in, with their checksums (a relay's, :mod:`asyncrl.weights.relay`);
+    they are used as they are (copies), after checking that they hold exactly ``tensors``, so that each bucket written
+    can be held to its checksum (:func:`check_filled`).
+
+    Raises:
+        ValueError: a ``plan`` that does not hold exactly ``tensors`` (names, dtypes, shapes).
+    """
     check_publish(tensors, version, last, mode, lora_config)
-    return plan_buckets(tensors, bucket_bytes)
+    if plan is None:
+        return plan_buckets(tensors, bucket_bytes)
+    specs = tensor_specs(tensors)
+    planned = {s.name: (s.dtype, list(s.shape)) for b in plan for s in b.slots}
+    given = {name: (str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in specs.items()}
+    if planned != given:
+        diff = sorted(k for k in planned.keys() | given.keys() if planned.get(k) != given.get(k))
+        raise ValueError(f"the bucket plan does not hold the tensors published with it: {len(diff)} differ "
+                         f"(first: {diff[:3]}); re-serve an update with the plan it arrived in")
+    return [dataclasses.replace(b, slots=list(b.slots)) for b in plan]
+
+
+def check_filled(bucket: Bucket, checksum: int, planned: bool) -> int:
+    """Returns ``checksum``, the hash of what a backend just wrote for ``bucket``; for a re-served version (``planned``)
+    it must be the checksum the bucket arrived with, so receivers downstream verify against the trainer's own.
+
+    Raises:
+        WeightSyncError: the bytes written differ from the ones verified on arrival (the version must not be served).
+    """
+    if planned and checksum != bucket.checksum:
+        raise WeightSyncError(f"bucket {bucket.index} hashes to {checksum:#018x} as re-served, but arrived verified as "
+                              f"{bucket.checksum:#018x}: the version is not served")
+    return checksum
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -134,6 +166,7 @@ class StagingArea:
         self._info: dict[str, Any] = {}
         self._handed: WeightUpdate | None = None
         self._holds: dict[int, tuple[WeightUpdate, Callable[[], None]]] = {}
+        self._listeners: list[Callable[[], None]] = []
 
     # -- I/O thread ----------------------------------------------------------------------------
     def newest(self) -> int | None:
@@ -169,7 +202,17 @@ class StagingArea:
             if self._closed:  # staged while the receiver closed: nobody will apply it
                 self._staged = None
             unused = self._take_unused()
+            listeners = list(self._listeners)
         _release(unused)
+        for listener in listeners:  # outside the lock: a listener may take its own, then call poll()/wait()
+            listener()
+
+    def listen(self, callback: Callable[[], None]) -> None:
+        """Calls ``callback()`` (in the staging thread, no lock held) after every version staged from now on: a
+        receiver made of several (:class:`~asyncrl.weights.relayed.RelayedWeightReceiver`) waits on its own
+        condition."""
+        with self._cv:
+            self._listeners.append(callback)
 
     def _take_unused(self) -> list[Callable[[], None]]:
         """(Under the lock.) Pops the release callbacks of updates neither staged nor handed out."""
@@ -261,10 +304,34 @@ class StagingArea:
             unused = self._take_unused()
         _release(unused)
 
+    def adopt(self, version: int, incarnation: str) -> None:
+        """Records ``(incarnation, version)`` as what the engine runs, applied from another receiver (a worker's relay
+        and its direct path, :mod:`asyncrl.weights.relayed`): what is staged and not a newer version of that
+        incarnation is dropped (its hold released; another incarnation's is taken as older: the other receiver got
+        it from the trainer more recently), and a transfer that would not beat it is not started. Counted as
+        ``versions_adopted``, not committed; nothing is reported to this receiver's broadcaster."""
+        with self._cv:
+            if (self._committed is not None and incarnation == self._committed_incarnation
+                    and version <= self._committed):
+                return
+            self._committed, self._committed_incarnation = version, incarnation
+            for attr in ("_staged", "_handed"):
+                u = getattr(self, attr)
+                if u is not None and (u.incarnation != incarnation or u.version <= version):
+                    setattr(self, attr, None)
+            self._counters["versions_adopted"] += 1
+            unused = self._take_unused()
+        _release(unused)
+
     @property
     def committed_version(self) -> int | None:
         with self._cv:
             return self._committed
+
+    @property
+    def committed_incarnation(self) -> str:
+        with self._cv:
+            return self._committed_incarnation
 
     def stats(self) -> dict[str, Any]:
         with self._cv:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import abc
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -164,29 +164,41 @@ class WeightBroadcaster(abc.ABC):
         mode: WeightMode = "full",
         lora_config: dict[str, Any] | None = None,
         incarnation: str = "",
+        plan: Sequence[Bucket] | None = None,
     ) -> dict[str, Any]:
         """Snapshots ``tensors`` as ``version`` of ``incarnation`` (the loader's) and makes it the one receivers pull.
+
+        ``plan`` re-serves a version that arrived verified (a relay, :mod:`asyncrl.weights.relay`): the buckets and
+        checksums it arrived in (``update.metadata["plan"]`` of a ``zmq`` receiver's update). The version is
+        packed in exactly those buckets and each one written must hash to its checksum, else the publish fails
+        and receivers stage nothing of it; so receivers downstream verify against the trainer's checksums. ``shm``
+        and ``zmq`` only.
 
         Returns:
             stats: ``version``, ``bytes``, ``buckets``, the backend's own timings (seconds spent snapshotting or
             waiting for a free slot) and ``publish_s``, the whole call.
 
         Raises:
-            ValueError: if ``version`` is not greater than the last published one.
-            WeightSyncError: the backend's I/O thread died (every publish after it raises).
+            ValueError: if ``version`` is not greater than the last published one, or a ``plan`` the backend cannot
+                follow (another layout; nccl, cuda_ipc).
+            WeightSyncError: the backend's I/O thread died (every publish after it raises), or a bucket written
+                under a ``plan`` does not hash to its checksum.
         """
         if self._error is not None:
             raise WeightSyncError(f"{type(self).__name__}: its I/O thread died: {self._error!r}") from self._error
         t0 = time.perf_counter()
         with self._publish_lock:
-            stats = self._publish(tensors, version, mode=mode, lora_config=lora_config, incarnation=incarnation)
+            stats = self._publish(tensors, version, mode=mode, lora_config=lora_config, incarnation=incarnation,
+                                  plan=plan)
         return {"version": version, **stats, "publish_s": time.perf_counter() - t0}
 
     @abc.abstractmethod
     def _publish(self, tensors: Mapping[str, torch.Tensor], version: int, *, mode: WeightMode,
-                 lora_config: dict[str, Any] | None, incarnation: str) -> dict[str, Any]:
-        """The backend's part of :meth:`publish`, under its lock: checks the call (``_staging.check_publish``),
-        writes the version and sets ``_last_version``; returns ``bytes``, ``buckets`` and its own timings."""
+                 lora_config: dict[str, Any] | None, incarnation: str,
+                 plan: Sequence[Bucket] | None = None) -> dict[str, Any]:
+        """The backend's part of :meth:`publish`, under its lock: checks the call (``_staging.check_publish``, or
+        ``plan_publish`` with the ``plan``), writes the version and sets ``_last_version``; returns ``bytes``,
+        ``buckets`` and its own timings. A backend that cannot follow a ``plan`` raises ``ValueError`` for one."""
 
     @abc.abstractmethod
     def committed(self) -> dict[str, int]:

@@ -53,7 +53,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import NoneType
 from typing import Any
@@ -231,7 +231,11 @@ class CudaIpcWeightBroadcaster(WeightBroadcaster):
         self._post(self._latest)
 
     def _publish(self, tensors: Mapping[str, torch.Tensor], version: int, *, mode: WeightMode,
-                 lora_config: dict[str, Any] | None, incarnation: str) -> dict[str, Any]:
+                 lora_config: dict[str, Any] | None, incarnation: str,
+                 plan: Sequence[Bucket] | None = None) -> dict[str, Any]:
+        if plan is not None:
+            raise ValueError("the cuda_ipc backend packs versions its own way and cannot re-serve a bucket plan; "
+                             "publish without plan=")
         t0 = time.perf_counter()
         with self._lock:
             if not self._same_layout(tensors):  # the full check walks every tensor: once per layout

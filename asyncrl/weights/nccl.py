@@ -56,7 +56,7 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import NoneType
 from typing import Any
@@ -260,7 +260,11 @@ class NcclWeightBroadcaster(WeightBroadcaster):
         return self._endpoint
 
     def _publish(self, tensors: Mapping[str, torch.Tensor], version: int, *, mode: WeightMode,
-                 lora_config: dict[str, Any] | None, incarnation: str) -> dict[str, Any]:
+                 lora_config: dict[str, Any] | None, incarnation: str,
+                 plan: Sequence[Bucket] | None = None) -> dict[str, Any]:
+        if plan is not None:
+            raise ValueError("the nccl backend packs versions its own way and cannot re-serve a bucket plan; "
+                             "publish without plan=")
         t0 = time.perf_counter()
         buckets = plan_publish(tensors, version, self._last_version, mode, lora_config, self.bucket_bytes)
         buffers = self._spare_set(buckets)

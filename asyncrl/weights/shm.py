@@ -55,7 +55,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,7 +67,7 @@ from asyncrl._owned_dir import OwnedDir, Swept, make_owned_dir
 from asyncrl.codec import DecodeError
 from asyncrl.weights._checksum import BucketScatter, checksum, fill_bucket
 from asyncrl.weights._receiver import StagedReceiver
-from asyncrl.weights._staging import check_receiver_id, plan_publish, unpack_bucket
+from asyncrl.weights._staging import check_filled, check_receiver_id, plan_publish, unpack_bucket
 from asyncrl.weights.base import Bucket, WeightBroadcaster, WeightMode, WeightSyncError, WeightUpdate
 from asyncrl.weights.protocol import Manifest
 
@@ -228,10 +228,11 @@ class ShmWeightBroadcaster(WeightBroadcaster):
         return str(self.directory)
 
     def _publish(self, tensors: Mapping[str, torch.Tensor], version: int, *, mode: WeightMode,
-                 lora_config: dict[str, Any] | None, incarnation: str) -> dict[str, Any]:
+                 lora_config: dict[str, Any] | None, incarnation: str,
+                 plan: Sequence[Bucket] | None = None) -> dict[str, Any]:
         with self._lock:
             t0 = time.perf_counter()
-            buckets = plan_publish(tensors, version, self._last_version, mode, lora_config, self.bucket_bytes)
+            buckets = plan_publish(tensors, version, self._last_version, mode, lora_config, self.bucket_bytes, plan)
             manifest = Manifest(version=version, incarnation=incarnation, mode=mode, lora_config=lora_config,
                                 buckets=buckets)
             body = {"format": FORMAT, **manifest.to_wire()}
@@ -247,7 +248,8 @@ class ShmWeightBroadcaster(WeightBroadcaster):
                 offset = 0
                 for b in buckets:
                     self._progress = lambda n, o=offset: seg.progress(o + n)
-                    seg.written(b.index, self._fill(b, tensors, seg.bucket(offset, b.nbytes)))
+                    checksum = self._fill(b, tensors, seg.bucket(offset, b.nbytes))
+                    seg.written(b.index, check_filled(b, checksum, plan is not None))
                     offset += b.nbytes
             except BaseException:
                 seg.finish(FAILED)  # receivers fail this version; nothing torn is staged

@@ -1,4 +1,5 @@
-"""Starting a run's weight channel: rank 0's broadcaster, bound from ``WeightSyncConfig``, its address on every rank.
+"""Starting a run's weight channel: rank 0's broadcaster, bound from ``WeightSyncConfig``, its address on every rank;
+and a worker's end of it (:func:`open_weight_receiver`).
 
     rank 0:   setup_weight_broadcaster(cfg.type, ...)   binds (zmq/nccl/cuda_ipc) or creates the run's shm directory
     all:      dist.broadcast_object_list([address])      every rank blocks here until rank 0 has bound
@@ -18,6 +19,10 @@ Per backend, what the broadcaster is given:
   killed run's segments are replaced by its resume, not leaked; :meth:`WeightSync.close` removes it. It holds an
   owner lock (:mod:`asyncrl._owned_dir`): one left by a rank 0 that was killed (torchrun's SIGKILL, an OOM) is
   removed by the next broadcaster that starts on this machine, whatever its run.
+
+A worker opens its end with :func:`open_weight_receiver` (the same ``WeightSyncConfig``, its ``address`` set to the
+broadcaster's): the backend's receiver, or behind ``weights.relay`` a
+:class:`~asyncrl.weights.relayed.RelayedWeightReceiver` that reads the node's relay and falls back to the broadcaster.
 """
 
 from __future__ import annotations
@@ -33,10 +38,11 @@ import torch.distributed as dist
 
 from asyncrl._owned_dir import OwnedDir, make_owned_dir
 from asyncrl.config import TransportConfig, WeightSyncConfig
-from asyncrl.weights import WeightBroadcaster, setup_weight_broadcaster
+from asyncrl.weights import WeightBroadcaster, WeightReceiver, setup_weight_broadcaster, setup_weight_receiver
+from asyncrl.weights.relayed import RelayedWeightReceiver
 from asyncrl.weights.shm import PREFIX as SHM_PREFIX  # every shm broadcaster sweeps dead directories of this prefix
 
-__all__ = ["WeightSync", "shm_directory", "start_weight_sync"]
+__all__ = ["WeightSync", "open_weight_receiver", "shm_directory", "start_weight_sync"]
 
 
 @dataclass(slots=True)
@@ -100,3 +106,31 @@ def start_weight_sync(cfg: WeightSyncConfig, *, run_dir: str | Path, device: tor
         address = [broadcaster.address]
     dist.broadcast_object_list(address, src=0)
     return WeightSync(type=cfg.type, address=address[0], broadcaster=broadcaster, directory=owned)
+
+
+def open_weight_receiver(cfg: WeightSyncConfig, *, receiver_id: str, transport: TransportConfig | None = None,
+                         server_key: str | None = None) -> WeightReceiver:
+    """A worker's end of the weight channel ``cfg`` describes (not started; ``cfg.type`` must not be ``none``).
+
+    Args:
+        cfg: the worker's ``weights`` section: ``type``, ``address`` (the broadcaster's), ``delta``, ``relay``.
+        receiver_id: the worker's id.
+        transport: ``zmq``: the rollout channel's transport settings (this worker's CURVE key).
+        server_key: ``zmq``: the broadcaster's CURVE public key, when it uses CURVE.
+
+    Returns:
+        The backend's receiver; with ``cfg.relay``, a :class:`~asyncrl.weights.relayed.RelayedWeightReceiver` reading
+        the node's relay, whose direct path is the ``zmq`` receiver of ``cfg.address``.
+    """
+    if cfg.type == "none" or not cfg.address:
+        raise ValueError(f"weights.type={cfg.type!r} with address={cfg.address!r}: a weight receiver needs a backend "
+                         "and the broadcaster's address (weights.address)")
+    kw: dict[str, Any] = {}
+    if cfg.type == "zmq":  # the rollout channel's CURVE keys guard the weight channel too; deltas only over zmq
+        kw = {"server_key": server_key, "security": transport, "delta": cfg.delta}
+    if cfg.relay is None:
+        return setup_weight_receiver(cfg.type, cfg.address, receiver_id=receiver_id, **kw)
+    address = cfg.address
+    return RelayedWeightReceiver(
+        cfg.relay, receiver_id=receiver_id,
+        direct=lambda: setup_weight_receiver("zmq", address, receiver_id=receiver_id, **kw))

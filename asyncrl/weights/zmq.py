@@ -40,10 +40,11 @@ whose key is not listed fails the handshake and receives nothing (``curve_keys_r
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +60,7 @@ from asyncrl.weights import protocol as P
 from asyncrl.weights._checksum import fill_bucket
 from asyncrl.weights._delta_encoder import DeltaEncoder
 from asyncrl.weights._receiver import StagedReceiver
-from asyncrl.weights._staging import check_receiver_id, plan_publish, unpack_bucket
+from asyncrl.weights._staging import check_filled, check_receiver_id, plan_publish, unpack_bucket
 from asyncrl.weights.base import Bucket, WeightBroadcaster, WeightMode, WeightSyncError, WeightUpdate
 from asyncrl.weights.delta import DeltaBase, DeltaCodec, DeltaRefused, apply_bucket
 from asyncrl.weights.delta import encode_bucket as encode_delta
@@ -224,8 +225,9 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
         return self._endpoint
 
     def _publish(self, tensors: Mapping[str, torch.Tensor], version: int, *, mode: WeightMode,
-                 lora_config: dict[str, Any] | None, incarnation: str) -> dict[str, Any]:
-        buckets = plan_publish(tensors, version, self._last_version, mode, lora_config, self.bucket_bytes)
+                 lora_config: dict[str, Any] | None, incarnation: str,
+                 plan: Sequence[Bucket] | None = None) -> dict[str, Any]:
+        buckets = plan_publish(tensors, version, self._last_version, mode, lora_config, self.bucket_bytes, plan)
         manifest = P.Manifest(version=version, incarnation=incarnation, mode=mode, lora_config=lora_config,
                               buckets=buckets)
         frames = encode(P.MANIFEST, manifest.to_wire())  # TypeError here for a lora_config msgpack refuses
@@ -242,7 +244,7 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
         t1 = time.perf_counter()
         try:
             for b, buf in zip(buckets, entry.snapshot.buffers):
-                checksum = self._fill(b, tensors, buf)
+                checksum = check_filled(b, self._fill(b, tensors, buf), plan is not None)
                 with self._lock:
                     entry.checksums.append(checksum)
                 self._encode_eagerly(entry, b.index)
@@ -573,6 +575,8 @@ class _Transfer:
     next_index: int = 0
     inflight: set[int] = field(default_factory=set)
     verified: int = 0
+    checksums: dict[int, int] = field(default_factory=dict)
+    """The checksum each verified bucket was verified against, by index."""
 
 
 class _BufferPool:
@@ -799,6 +803,7 @@ class ZmqWeightReceiver(StagedReceiver):
                                      f"got {got:#018x}, the broadcaster says {want:#018x}")
             return
         t.inflight.discard(index)
+        t.checksums[index] = got
         t.verified += 1
         t.last_progress = now
         self._staging.count("bytes_received", bucket.nbytes)
@@ -844,7 +849,10 @@ class ZmqWeightReceiver(StagedReceiver):
             tensors.update(unpack_bucket(b, t.buffers[b.index]))
         self._transfer = None
         m = t.manifest
-        meta = {"receiver_id": self.receiver_id, "buckets": len(m.buckets), "staged_at": time.monotonic(),
+        # the plan it arrived in, each bucket with the checksum it was verified against: a relay re-serves the
+        # version in it, held to those checksums (WeightBroadcaster.publish(plan=...))
+        plan = [dataclasses.replace(b, checksum=t.checksums[b.index]) for b in m.buckets]
+        meta = {"receiver_id": self.receiver_id, "buckets": len(m.buckets), "plan": plan, "staged_at": time.monotonic(),
                 "transfer_s": time.monotonic() - t.started}
         layout, buffers = tuple(b.nbytes for b in m.buckets), t.buffers
         release = lambda: self._pool.give(layout, buffers)

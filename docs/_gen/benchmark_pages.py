@@ -157,6 +157,40 @@ def weight_delta_lora(r: Result) -> tuple[str, str]:
     return table(["dtype", "rank", "lr", "steps", "changed fraction", "full bytes", "delta bytes", "ratio"], rows), ""
 
 
+def weight_fanout(r: Result) -> tuple[str, str]:
+    c, res, ratios = r.data["config"], r.data["results"], r.data.get("ratios", {})
+    rows = []
+    for path in ("relay", "direct"):
+        entries = res.get(path) or {}
+        one = entries[min(entries, key=int)] if entries else None
+        for n, e in sorted(entries.items(), key=lambda kv: int(kv[0])):
+            rows.append([f(int(n)), f"`{path}`", f(e["workers"]), f(e["bytes_per_update"] / 1e6, 1),
+                         x(e["bytes_over_size"]), rng(e["latency_s"], 3),
+                         x(e["latency_s"]["median"] / one["latency_s"]["median"]) if one else "–",
+                         rng(e["nodes_hold_s"], 3) if "nodes_hold_s" in e else "–", f(e["cpu_s"]["median"])])
+    note = (f"A {c['mb']} MiB model (float32) in {c['bucket_mb']} MiB buckets, zmq over loopback TCP, "
+            f"{c['workers_per_node']} worker processes per simulated node, median (min–max) of {c['repeats']} updates "
+            "after 2 warm-up ones. Every node shares this machine's cores")
+    loads = [s["loadavg_1m"] for e in res.values() for n in e.values() for s in n.get("samples", [])
+             if "loadavg_1m" in s]
+    note += f" (1-minute load average {min(loads):.1f}–{max(loads):.1f} during the run)." if loads else "."
+    tbl = table(["nodes", "path", "workers", "MB per update", "÷ model", "every worker holds it (s)", "÷ 1 node",
+                 "every node holds it (s)", "CPU s"], rows)
+    t = ratios.get("relay_time_most_over_one")
+    tail = ""
+    if t:
+        tail = (f"\n\nWith the relay: {t['nodes'][1]} nodes take {x(t['value'])} the time of {t['nodes'][0]} "
+                f"(target ≤ {t['target']}×: {'met' if t['met'] else 'missed'}).")
+    per_node = ratios.get("relay_bytes_over_nodes_x_size", {})
+    head = ""
+    if per_node:
+        worst = max(per_node.values())
+        head = f"{x(worst)} nodes × model bytes per update with the relay"
+        if t:
+            head += f"; {t['nodes'][1]} nodes take {x(t['value'])} one node's time"
+    return note + "\n\n" + tbl + tail, head
+
+
 def _freshness_points(r: Result) -> tuple[str, str]:
     rows = []
     for p in r.data["points"]:
@@ -328,6 +362,11 @@ BENCHMARKS = [
               "python -m benchmarks.weight_delta",
               [Series("Full model", _is("weight_delta", has="zmq"), weight_delta),
                Series("LoRA adapter", _is("weight_delta", has="lora"), weight_delta_lora)]),
+    Benchmark("weight_fanout", "Weight fan-out", "benchmarks/weight_fanout.py",
+              "broadcaster bytes per update and time until every worker holds it, per node count, with and without a "
+              "per-node relay",
+              "python -m benchmarks.weight_fanout",
+              [Series("Per-node relay against direct", _is("weight_fanout"), weight_fanout)]),
     Benchmark("freshness", "Freshness vs throughput", "benchmarks/freshness.py",
               "trained rollouts/s, idle time and staleness per `max_staleness` and worker count, against min(G, T)",
               "python -m benchmarks.freshness measured --staleness 0,1,2,4 --workers 1,2",

@@ -27,3 +27,7 @@ def test_the_docs_site_builds_strictly(tmp_path):
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert "WARNING" not in proc.stderr, proc.stderr[-6000:]
     assert (tmp_path / "site" / "reference" / "config" / "index.html").exists()
+    # a fence the Markdown extensions did not take renders as a paragraph, and the page after it as code
+    unrendered = [str(p.relative_to(tmp_path / "site")) for p in (tmp_path / "site").rglob("*.html")
+                  if "<p>```" in p.read_text(errors="replace")]
+    assert not unrendered, f"pages with a fence left as text (an option superfences refuses?): {unrendered}"

@@ -10,26 +10,15 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from asyncrl.weights import setup_weight_broadcaster, setup_weight_receiver
 from asyncrl.weights.shm import ShmWeightReceiver
 from asyncrl.weights.zmq import ZmqWeightReceiver
-from tests.weights_utils import corrupt_next
+from tests.weights_utils import KB, corrupt_next, is_version, weights
 
 pytestmark = pytest.mark.integration  # real processes or sockets (tests/unit opens none)
 
 WAIT_S = 20.0
-KB = 1024
-
-
-def weights(version: int) -> dict[str, torch.Tensor]:
-    return {f"w{i}": torch.full((4 * KB,), float(version * 100 + i)) for i in range(8)}  # 8 buckets of 16 KiB
-
-
-def is_version(tensors: dict[str, torch.Tensor], version: int) -> bool:
-    want = weights(version)
-    return list(tensors) == list(want) and all(torch.equal(tensors[k], want[k]) for k in want)
 
 
 @pytest.fixture(params=["shm", "zmq"])
