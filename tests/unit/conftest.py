@@ -8,7 +8,7 @@ or socket, a process (``subprocess.Popen`` and everything built on it,
 the test belongs. A violation that the code under test catches and swallows is still recorded, and the test fails at
 teardown: a unit test cannot pass while breaking the rule.
 
-Why: the unit tier is the fast, hermetic one (``pytest tests/unit`` in about a minute on 2 cores, no ports, no
+Why: the unit tier is the fast, hermetic one (``pytest tests/unit`` in about two minutes on 2 cores, no ports, no
 leftover processes). Tests that need real processes, sockets or process groups live in ``tests/integration/``.
 """
 
