@@ -5,7 +5,7 @@ a few runs of each command, against the same measure of a baseline command in th
         --candidate "lora.rank=8 train.lr=0.01" --candidate "lora.rank=8 train.lr=0.002"
 
 Each candidate is a string of dotted overrides on ``--config`` (default ``recipes/configs/tiny_cpu.yaml``); the first
-is the baseline. Run ``i`` of every candidate uses ``train.seed=i`` (the tiny model, the warm start's draws), so
+is the baseline. Run ``i`` of every candidate uses ``train.seed=first_seed+i`` (the tiny model, the warm start's draws), so
 candidates are compared on the same seeds. Every run goes through ``torchrun recipes/grpo.py`` as written in the
 recipe's docstring (plus ``run_dir``, the seed, ``debug.report=false`` and ``checkpoint.every=0``) and is read back
 from its ``summary.json`` (:func:`asyncrl.debug.summary.run_summary`: the same windows the run printed). JSON with the
@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--config", type=Path, default=ROOT / "recipes" / "configs" / "tiny_cpu.yaml")
     p.add_argument("--candidate", action="append", required=True, help="dotted overrides, quoted; the first: baseline")
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--first-seed", type=int, default=0, help="run i uses train.seed=first_seed+i")
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out", type=Path, default=None)
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="recipe_learning-") as tmp:
         for c, cand in enumerate(args.candidate):
             runs = []
-            for seed in range(args.runs):
+            for seed in range(args.first_seed, args.first_seed + args.runs):
                 run = one_run(args.config, shlex.split(cand), seed, args.nproc, Path(tmp) / f"c{c}-s{seed}", args.timeout)
                 print(f"[{cand}] seed {seed}: reward {run['reward_first']:.3f} -> {run['reward_last']:.3f} "
                       f"({run['reward_change']:+.3f}), {run['rejected']}/{run['steps']} rejected, "
@@ -85,7 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     out.write_text(json.dumps({
         "benchmark": "recipe_learning", "date": date.isoformat(), "machine": machine(),
         "config": {"run_file": str(args.config.relative_to(ROOT)) if args.config.is_relative_to(ROOT) else str(args.config),
-                   "nproc": args.nproc, "runs": args.runs, "baseline": base["overrides"]},
+                   "nproc": args.nproc, "runs": args.runs, "first_seed": args.first_seed,
+                   "baseline": base["overrides"]},
         "candidates": results,
     }, indent=2))
     print(out)

@@ -419,14 +419,15 @@ class GRPORecipe:
             time.sleep(3600)
 
     # -- the end of the run ------------------------------------------------------------------------------------------
-    def _summarize(self, trained: bool) -> str | None:
+    def _summarize(self, failed: str | None = None) -> str | None:
         """Rank 0: ``summary.json``, the trackers' summary and end; returns the text to print last (None when there is
-        nothing to summarise: no step was logged)."""
+        nothing to summarise: no step was logged). ``failed``: the error a failed run ends with (its trackers' runs end
+        as failed)."""
         outputs = {f"tracker {name}": where for name, where in self.trackers.locations().items()}
         if self.cfg.debug.report:
             outputs["report"] = str(self.run_dir / "report" / "index.html")
         try:
-            summary = run_summary(self.run_dir, launch_from_step=self.launch_from, outputs=outputs)
+            summary = run_summary(self.run_dir, launch_from_step=self.launch_from, outputs=outputs, failed=failed)
         except ValueError:  # no metrics.jsonl: nothing ran (the run's own error is what the user must see)
             self.trackers.close(ok=False)
             return None
@@ -436,7 +437,7 @@ class GRPORecipe:
         write_summary(self.run_dir, summary)
         text = format_summary(summary)
         self.trackers.log_summary(summary, text)
-        self.trackers.close(ok=trained and summary["verdict"] != "every update rejected")
+        self.trackers.close(ok=failed is None and summary["verdict"] != "every update rejected")
         return text
 
     def every_update_rejected(self) -> bool:
@@ -444,7 +445,7 @@ class GRPORecipe:
         return self.guard_watch.rejected > 0 and self.guard_watch.accepted == 0
 
     # -- cleanup -----------------------------------------------------------------------------------------------------
-    def cleanup(self, trained: bool = True) -> None:
+    def cleanup(self) -> None:
         """Closes everything after a run that ended well; rank 0 writes the end-of-run summary (``summary.json``, the
         trackers), the report, and prints the summary last. A failed run leaves through :meth:`abort` instead."""
         self.loader.close()
@@ -454,12 +455,7 @@ class GRPORecipe:
         self.consumed_file.close()
         if self.metrics_file is not None:
             self.metrics_file.close()
-            try:
-                text = self._summarize(trained)
-            except Exception as e:  # a failed run's summary must not hide the run's own error, raised after this
-                if trained:
-                    raise
-                text = f"[rank 0] no run summary (the run failed): {e!r}"
+            text = self._summarize()
             if self.cfg.debug.report:
                 plot(self.run_dir)
                 from asyncrl.debug.report import write_report
@@ -475,7 +471,8 @@ class GRPORecipe:
     def abort(self, error: BaseException) -> None:
         """A failed run: one line naming this rank and the error, then whatever was started is closed (the workers,
         the weight channel and its shared memory, the run-directory lock), each step on its own so that none of them
-        hides the error (nothing is plotted or reported: the records may be empty)."""
+        hides the error. Rank 0 of a run that logged steps writes and prints the summary of what it did until then
+        (``summary.json``, marked failed; the trackers' runs end as failed); nothing is plotted or reported."""
         rank = getattr(self, "rank", os.environ.get("RANK", "?"))
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         print(f"[rank {rank}] grpo failed: {type(error).__name__}: {first}", file=sys.stderr, flush=True)
@@ -483,7 +480,7 @@ class GRPORecipe:
                             ("weight_sync", lambda: self.weight_sync.close()),
                             ("consumed_file", lambda: self.consumed_file.close()),
                             ("metrics_file", lambda: self.metrics_file.close()),
-                            ("trackers", lambda: self.trackers.close(ok=False)),  # their runs end as failed
+                            ("trackers", lambda: self._failed_summary(f"{type(error).__name__}: {first}")),
                             ("run_lock", lambda: self.run_lock.release())):
             if getattr(self, name, None) is None:
                 continue
@@ -492,6 +489,17 @@ class GRPORecipe:
             except Exception as e:  # deliberate: the run's own error is the one to report; this one is secondary
                 print(f"[rank {rank}] (while closing {name} after the failure: {type(e).__name__}: {e})",
                       file=sys.stderr)
+
+
+    def _failed_summary(self, failed: str) -> None:
+        """Rank 0 (which kept the metrics): the failed run's summary, written and printed; other ranks end their
+        trackers (none: trackers are rank 0's)."""
+        if getattr(self, "metrics_file", None) is None:
+            self.trackers.close(ok=False)
+            return
+        text = self._summarize(failed)
+        if text:
+            print(text, file=sys.stderr, flush=True)
 
 
 def _import_path(run_file: str | None) -> None:
@@ -503,13 +511,18 @@ def _import_path(run_file: str | None) -> None:
             sys.path.append(directory)
 
 
-@record  # torchrun's summary names the first failing rank with its exception (torch.distributed.elastic)
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The recipe's command line: ``--config FILE``, ``--resume``, then dotted overrides."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML run file (recipes/configs/*.yaml)")
     p.add_argument("--resume", action="store_true", help="continue from run_dir/checkpoints/latest if present")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.max_staleness=0 train.steps=50")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+@record  # torchrun's summary names the first failing rank with its exception (torch.distributed.elastic)
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cfg = load_config(args.config, args.overrides)
     if cfg.model.path is not None:  # asyncrl's own message, before anything loads it

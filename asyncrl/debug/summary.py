@@ -144,12 +144,13 @@ def _verdict(updates: dict[str, Any]) -> str:
 
 
 def run_summary(run_dir: str | os.PathLike, *, launch_from_step: int = 0,
-                outputs: dict[str, str] | None = None) -> dict[str, Any]:
+                outputs: dict[str, str] | None = None, failed: str | None = None) -> dict[str, Any]:
     """The summary of the run in ``run_dir`` (see the module docstring).
 
     Args:
         launch_from_step: the step this launch resumed from (0: a fresh run); the verdict is on the later steps.
         outputs: ``{name: path}`` of outputs besides the records found in ``run_dir`` (trackers, the report).
+        failed: the error a failed launch ended with (its summary says what it did until then, and that it failed).
 
     Raises:
         ValueError: ``run_dir`` has no ``metrics.jsonl``.
@@ -173,6 +174,7 @@ def run_summary(run_dir: str | os.PathLike, *, launch_from_step: int = 0,
     return {
         "run_dir": str(run_dir),
         "verdict": _verdict(updates["this_launch"]),
+        "failed": failed,
         "steps": {"total": len(rows), "first": rows[0].get("step") if rows else None,
                   "last": rows[-1].get("step") if rows else None, "this_launch": len(launch),
                   "resumed_from": launch_from_step or None},
@@ -220,6 +222,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     """The summary as a few aligned lines for a terminal (the alarm first, when there is one)."""
     s, u, rw, st, tp = (summary[k] for k in ("steps", "updates", "reward", "staleness", "throughput"))
     lines = [f"== run summary: {summary['run_dir']} =="]
+    if summary.get("failed"):
+        lines.append(f"FAILED      {summary['failed']} (what it did until then:)")
     resumed = f", this launch {s['this_launch']} (resumed from step {s['resumed_from']})" if s["resumed_from"] else ""
     lines.append(f"steps       {s['total']} ({s['first']}..{s['last']}){resumed}")
     kinds = ", ".join(f"{k} x{e['count']}, first at step {e['first_step']}: {e['example']}"

@@ -309,6 +309,29 @@ def vllm_inflight_pause(r: Result) -> tuple[str, str]:
     return table(["in flight", "what", "updates", "median (ms)", "p99 (ms)"], rows), head
 
 
+def recipe_learning(r: Result) -> tuple[str, str]:
+    c = r.data["config"]
+    rows = []
+    for cand in r.data["candidates"]:
+        runs = cand["runs"]
+        rows.append([f"`{cand['overrides']}`" if cand["overrides"] else "(the run file)",
+                     " / ".join(f"{run['reward_first']:.3f} → {run['reward_last']:.3f}" for run in runs),
+                     f(cand["reward_change_mean"], 3), f(cand["reward_change_min"], 3),
+                     " / ".join(f"{run['rejected']}/{run['steps']}" for run in runs),
+                     " / ".join(str(run["exit_code"]) for run in runs)])
+    window = r.data["candidates"][0]["runs"][0]["reward_window"]
+    note = (f"`{c['run_file']}`, {c['nproc']} trainer rank(s), {c['runs']} runs a command (`train.seed` "
+            f"{c.get('first_seed', 0)}…{c.get('first_seed', 0) + c['runs'] - 1}); reward averaged over the first and "
+            f"the last {window} steps.")
+    tbl = table(["overrides", "reward first → last, per run", "change, mean", "change, min", "rejected updates",
+                 "exit status"], rows)
+    best = max(r.data["candidates"][1:] or r.data["candidates"],
+               key=lambda cand: (cand["reward_change_min"] > 0, -cand["rejected_fraction_mean"], cand["reward_change_mean"]))
+    head = (f"`{best['overrides']}`: reward {best['reward_change_mean']:+.3f} on average, "
+            f"{f(best['rejected_fraction_mean'] * 100, 0)}% of updates rejected")
+    return note + "\n\n" + tbl, head
+
+
 # -- the registry -------------------------------------------------------------------------------------------------------
 def _is(bench: str, **cond: Any) -> Callable[[Result], bool]:
     def pred(r: Result) -> bool:
@@ -404,6 +427,11 @@ BENCHMARKS = [
               "how long an update pauses vLLM's in-flight requests (keep, abort, idle)",
               "python -m benchmarks.vllm_inflight_pause",
               [Series("Pause per update", _is("vllm_inflight_pause"), vllm_inflight_pause)]),
+    Benchmark("recipe_learning", "Does a recipe command learn?", "benchmarks/recipe_learning.py",
+              "reward over the first and the last window of a recipe command's run, and the guard's verdicts, over a few "
+              "seeds, against a baseline command",
+              "python -m benchmarks.recipe_learning --runs 3 --candidate '' --candidate 'lora.rank=8 train.lr=0.003'",
+              [Series("Reward first vs last window", _is("recipe_learning"), recipe_learning)]),
     Benchmark("gpu", "GPU checks", "benchmarks/gpu_checks.sh",
               "the GPU checks in one run: unit tests with CUDA, the recipe on a GPU, data plane and weight sync on a GPU host",
               "bash benchmarks/gpu_checks.sh",

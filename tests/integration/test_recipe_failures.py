@@ -1,10 +1,13 @@
 """A recipe run that fails at start-up, under torchrun: it ends with the cause named (one line per failing rank, and
 torchrun's summary naming the first failing rank with its exception), not with a secondary error (before: the report
-writer's "metrics.jsonl is empty"), and leaves nothing in /dev/shm. The reward lives next to the run file, found from
-there by the trainer and by the workers alike."""
+writer's "metrics.jsonl is empty"), leaves nothing in /dev/shm, and ends its tracker's run as failed (MLflow, when
+installed: its local store read back). The reward lives next to the run file, found from there by the trainer and by
+the workers alike."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -15,6 +18,7 @@ import pytest
 
 from asyncrl import hold_run_dir
 from asyncrl.weights.start import shm_directory
+from tests.integration.test_trackers import OFFLINE
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -30,8 +34,10 @@ def test_a_run_whose_workers_cannot_start_ends_naming_the_cause_and_cleans_up(tm
             return [float(c.strip() == a) for c, a in zip(completions, answer)]
     """))
     run_dir = tmp_path / "run"
+    mlflow = importlib.util.find_spec("mlflow") is not None  # an optional extra: the tracker check only with it
     (tmp_path / "run.yaml").write_text(textwrap.dedent(f"""
         run_dir: {run_dir}
+        report_to: [{"mlflow" if mlflow else ""}]
         data: {{num_prompts: 16}}
         train: {{steps: 2, sft_steps: 0}}
         debug: {{report: true}}
@@ -48,7 +54,8 @@ def test_a_run_whose_workers_cannot_start_ends_naming_the_cause_and_cleans_up(tm
     """))
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
             str(ROOT / "recipes" / "grpo.py"), "--config", str(tmp_path / "run.yaml")]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env.update(OFFLINE, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=600)
     out = proc.stdout
@@ -60,3 +67,10 @@ def test_a_run_whose_workers_cannot_start_ends_naming_the_cause_and_cleans_up(tm
     assert "rank      : 0" in summary and cause in summary and "No module named 'gpu_only_dependency'" in summary
     assert not shm_directory(run_dir).exists()  # the weight channel's shared memory is gone with the run
     hold_run_dir(run_dir).release()  # the run directory is free for the next run
+    if mlflow:  # the failed run's tracker run is marked failed, not left running
+        import mlflow as client
+
+        state = json.loads((run_dir / "trackers.json").read_text())
+        client.set_tracking_uri(state["mlflow"]["tracking_uri"])
+        found = client.search_runs(experiment_names=["asyncrl"], output_format="list")
+        assert [(r.info.run_id, r.info.status) for r in found] == [(state["mlflow"]["run_id"], "FAILED")]

@@ -111,6 +111,12 @@ def test_a_real_engine_without_a_weight_channel_is_refused_at_construction(tripw
     check_loader(LoaderConfig(num_workers=1, batch_size=2), PROMPTS, shard_size=8, world_size=1)
 
 
+def test_waiting_for_a_group_has_a_finite_default_in_the_loader_and_in_the_recipe():
+    # None (wait for ever) was the default: the README's loop with no weight channel hung after two batches
+    assert LoaderConfig().wait_timeout_s == 600
+    assert load_config(None, []).rollout.wait_timeout_s is not None
+
+
 def test_the_recipe_refuses_a_real_engine_without_weights_naming_its_own_key():
     with pytest.raises(ValueError, match=r"weights\.type='none' with rollout\.worker\.engine\.type=hf.*weights\.type=shm"):
         load_config(None, ["weights.type=none", "rollout.worker.engine.type=hf"])
@@ -148,6 +154,18 @@ def test_a_hub_id_passes_only_if_it_can_be_loaded(monkeypatch, model_dir):
     with pytest.raises(ModelDirError, match=r"model\.path='no-org/no-such-model': no such directory.*nor a model of "
                                             r"that id in the Hugging Face cache \(HF_HUB_OFFLINE=1"):
         check_model_dir("no-org/no-such-model", key="model.path")
+
+
+def test_the_recipe_checks_its_model_path_before_anything_starts(monkeypatch, tmp_path):
+    from recipes import grpo
+
+    def prestart(*args, **kwargs):
+        raise AssertionError("the workers were prestarted before the model path was checked")
+
+    monkeypatch.setattr(grpo.RolloutLoader, "prestart_workers", prestart)
+    monkeypatch.setattr(grpo, "GRPORecipe", prestart)
+    with pytest.raises(ModelDirError, match=r"model\.path='.*nowhere': no such directory"):
+        grpo.main(["--config", "recipes/configs/tiny_cpu.yaml", f"model.path={tmp_path / 'nowhere'}"])
 
 
 def test_a_batch_larger_than_the_shard_is_refused(tripwires):

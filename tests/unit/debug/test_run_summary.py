@@ -95,3 +95,39 @@ def test_the_guard_watch_says_the_first_rejection_and_warns_when_most_are_reject
 def test_no_metrics_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="metrics.jsonl"):
         run_summary(tmp_path)
+
+
+def test_a_failed_run_ends_with_the_summary_of_what_it_did_marked_failed(tmp_path, capsys):
+    # rank 0 of a run that failed mid-way: abort() closes what was started, writes summary.json marked failed, prints
+    # it after the error line, and ends the trackers' runs as failed (without a process group: abort needs none)
+    from types import SimpleNamespace
+
+    from asyncrl.integrations.trackers import Trackers
+    from recipes.grpo import GRPORecipe
+
+    class Tracker:
+        name, ended = "fake", None
+
+        def log_summary(self, summary, text):
+            self.summary = summary
+
+        def location(self):
+            return "nowhere"
+
+        def close(self, ok):
+            self.ended = "ok" if ok else "failed"
+
+    tracker = Tracker()
+    recipe = GRPORecipe.__new__(GRPORecipe)
+    recipe.rank, recipe.launch_from = 0, 0
+    recipe.run_dir = make_run(tmp_path / "run", steps=30)
+    recipe.cfg = SimpleNamespace(debug=SimpleNamespace(report=False))
+    recipe.metrics_file = open(recipe.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 (abort closes it)
+    recipe.trackers = Trackers([tracker])
+    recipe.abort(RuntimeError("the reward server went away\nmore lines"))
+    err = capsys.readouterr().err
+    assert err.index("[rank 0] grpo failed: RuntimeError: the reward server went away") < err.index("== run summary")
+    assert "FAILED      RuntimeError: the reward server went away" in err and "steps       30 (1..30)" in err
+    written = json.loads((recipe.run_dir / "summary.json").read_text())
+    assert written["failed"] == "RuntimeError: the reward server went away" and written["steps"]["total"] == 30
+    assert tracker.ended == "failed" and tracker.summary["failed"] and recipe.metrics_file.closed
