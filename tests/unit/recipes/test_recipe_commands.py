@@ -16,7 +16,7 @@ from asyncrl import load_config
 from asyncrl.integrations.trackers import resolve_report_to
 from recipes import grpo
 
-ROOT = Path(__file__).parents[2]
+ROOT = Path(__file__).parents[3]
 COMMAND = re.compile(r"^\s*(torchrun [^\n`]*recipes/grpo\.py [^\n`]*)$", re.MULTILINE)
 
 
