@@ -49,6 +49,10 @@ def is_loopback_bind(bind: str) -> bool:
         return False
 
 
+def _ignore(frames: object) -> None:
+    pass
+
+
 def _set(stop: threading.Event) -> None:
     stop.set()
 
@@ -106,17 +110,24 @@ class Waker:
     is a no-op (a background thread that outlived the I/O thread's join must not open a socket then: one made
     before the context's term would hang it, one after raises).
 
+    With ``coalesce``, a wake while one is pending sends nothing at all (a thread that wakes per item costs a flag
+    check, not a message, while the I/O thread is busy); the I/O side must then read the pipe with :meth:`drain`,
+    which re-arms it, and do its work after that call.
+
     Args:
         ctx: the context of the I/O thread (inproc endpoints live in one context).
         name: a word for the endpoint's name.
+        coalesce: send at most one wake-up until the I/O side drains it.
     """
 
-    def __init__(self, ctx: zmq.Context, name: str):
+    def __init__(self, ctx: zmq.Context, name: str, *, coalesce: bool = False):
         self.address = f"inproc://asyncrl-{name}-wake-{id(self):x}"
         self._ctx = ctx
         self._lock = threading.Lock()
         self._push: zmq.Socket | None = None  # the waking threads' end, made on first use, under _lock
         self._closed = False  # under _lock
+        self._coalesce = coalesce
+        self._pending = False  # under _lock: a coalesced wake-up sent and not drained yet
 
     def pull(self) -> zmq.Socket:
         """The I/O thread's end, bound (the caller closes it with its other sockets)."""
@@ -131,7 +142,7 @@ class Waker:
 
     def wake(self) -> None:
         with self._lock:
-            if self._closed:
+            if self._closed or self._pending:
                 return
             if self._push is None:
                 self._push = self._ctx.socket(zmq.PUSH)
@@ -139,8 +150,16 @@ class Waker:
                 self._push.connect(self.address)
             try:
                 self._push.send(b"", zmq.NOBLOCK)
+                self._pending = self._coalesce
             except zmq.Again:  # a wake-up is already pending
                 pass
+
+    def drain(self, pull: zmq.Socket) -> None:
+        """The I/O side: reads the wake-ups waiting in ``pull`` and re-arms :meth:`wake` (a wake from now on sends
+        again); work the wakers asked for must be done after this call, so that none is missed."""
+        drain(pull, _ignore, 1 << 20)
+        with self._lock:
+            self._pending = False
 
     def close(self) -> None:
         with self._lock:

@@ -39,6 +39,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from asyncrl._logging import Throttle
@@ -154,13 +155,18 @@ class RolloutPool:
         """Why the last :meth:`grant` leased fewer than asked (None: all of them): ``"window"`` (the staleness window,
         :attr:`fresh_budget`, i.e. groups leased and buffered that the trainer has not taken yet), ``"capacity"``,
         ``"bytes"`` (``max_buffer_bytes``) or ``"no_prompt"`` (nothing left to lease, or the loader not started)."""
+        self.on_change: Callable[[], None] | None = None
+        """Called (under the pool's lock; it must not block or take it) when the trainer's side may have let the pool
+        grant more: a group taken, a version set, a commit, a new epoch, a loaded state. The receiver wakes its I/O
+        thread with it, so that grants follow the trainer at once instead of a tick."""
 
     # -- receiver side -------------------------------------------------------------------------
     @property
     def groups_in_flight(self) -> int:
         """Prompts leased or partially received (each once), plus buffered groups."""
-        started = set(self._partial).union(lease.prompt_index for lease in self.ledger.leases.values())
-        return len(self._ready) + len(started)
+        # counted as leases come and go: a grant pass asks once per lease, and leases grow with workers
+        partial_only = sum(1 for index in self._partial if not self.ledger.is_leased(index))
+        return len(self._ready) + self.ledger.num_leased_prompts + partial_only
 
     def add_rollouts(self, rollouts: list[Rollout], *, lease_id: int | None = None) -> int:
         """Adds received rollouts; completes groups; deduplicates by uid.
@@ -350,7 +356,21 @@ class RolloutPool:
     def outstanding(self) -> collections.Counter[str]:
         """Leases held per worker."""
         with self.cond:
-            return collections.Counter(lease.worker_id for lease in self.ledger.leases.values())
+            return self.ledger.held_per_worker()
+
+    def held(self, worker_id: str) -> int:
+        """Leases ``worker_id`` holds."""
+        with self.cond:
+            return self.ledger.held(worker_id)
+
+    def next_wake(self) -> float | None:
+        """When a failed prompt's re-issue backoff ends next (a grant may then succeed), or None."""
+        with self.cond:
+            return self.ledger.next_wake()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def fail(self, error: BaseException) -> None:
         """Called by the receiver thread when it dies: the trainer's next ``take`` re-raises it."""
@@ -373,6 +393,7 @@ class RolloutPool:
         with self.cond:
             if self.groups_per_step is not None and self.step_taken >= self.groups_per_step:
                 self.step_taken = 0  # a new step at the same version (the last update was rejected)
+                self._changed()
             while True:
                 if self._error is not None:
                     raise RuntimeError("rollout receiver failed") from self._error
@@ -396,6 +417,7 @@ class RolloutPool:
                     self._delivered[index] = group
                     self.stats["groups_yielded"] += 1
                     self.step_taken += 1
+                    self._changed()
                     return group
                 if self.ledger.all_delivered:
                     raise StopIteration
@@ -407,6 +429,7 @@ class RolloutPool:
     def _drop_stale(self, index: int) -> None:
         self.ledger.requeue_stale(index)
         self.stats["stale_dropped"] += 1
+        self._changed()
 
     def set_policy_version(self, version: int) -> None:
         """Tells the pool the trainer's current policy version; buffered groups now stale are dropped.
@@ -418,6 +441,7 @@ class RolloutPool:
             check_policy_version(version, self.policy_version)
             if version > self.policy_version:
                 self.step_taken = 0
+                self._changed()
             self.policy_version = version
             trained_at = version + self.prefetch
             for index in [i for i, g in self._ready.items() if is_stale(g.policy_version, trained_at, self.max_staleness)]:
@@ -448,6 +472,7 @@ class RolloutPool:
                 n += 1
             self.stats["groups_committed"] += n
             self.cond.notify_all()
+            self._changed()
         return n
 
     def commit_delivered(self, *, except_prompts: set[int] | frozenset[int] = frozenset()) -> int:
@@ -475,6 +500,7 @@ class RolloutPool:
             self._culprits.clear()
             self.ledger.start_epoch(epoch)
             self.active = True
+            self._changed()
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -524,3 +550,4 @@ class RolloutPool:
             self.step_taken = state.get("step_taken", 0)
             self.active = True
             self.cond.notify_all()
+            self._changed()

@@ -174,6 +174,8 @@ class PromptLedger:
         self._attempts: dict[int, int] = {}
         self.leases: dict[int, Lease] = {}
         self._leases_of: dict[int, set[int]] = collections.defaultdict(set)
+        self._held: collections.Counter[str] = collections.Counter()  # worker -> leases it holds (len(leases) split)
+        self._leased_prompts = 0  # prompts with at least one live lease
         # workers that held a lease for the prompt in this epoch: the only ones whose group for it is accepted.
         # Not saved: a resumed run re-issues every outstanding lease, so only holders of the new timeline count.
         self._holders: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
@@ -272,7 +274,9 @@ class PromptLedger:
             self.counters["regenerated"] += 1
         lease = Lease(next(self._lease_ids), self.epoch, idx, worker_id, now + self.lease_timeout_s, attempt)
         self.leases[lease.lease_id] = lease
+        self._leased_prompts += not self._leases_of[idx]
         self._leases_of[idx].add(lease.lease_id)
+        self._held[worker_id] += 1
         self._holders[idx][worker_id] += 1  # leases delivered to it for this prompt
         self.counters["leased"] += 1
         return lease
@@ -280,8 +284,34 @@ class PromptLedger:
     def _drop_lease(self, lease_id: int) -> Lease | None:
         lease = self.leases.pop(lease_id, None)
         if lease is not None:
-            self._leases_of[lease.prompt_index].discard(lease_id)
+            of = self._leases_of[lease.prompt_index]
+            of.discard(lease_id)
+            self._leased_prompts -= not of
+            if (left := self._held[lease.worker_id] - 1) > 0:
+                self._held[lease.worker_id] = left
+            else:
+                del self._held[lease.worker_id]
         return lease
+
+    def held(self, worker_id: str) -> int:
+        """Live leases ``worker_id`` holds (kept as leases come and go: no scan)."""
+        return self._held[worker_id]
+
+    def held_per_worker(self) -> collections.Counter[str]:
+        """Live leases per worker (a copy)."""
+        return self._held.copy()
+
+    @property
+    def num_leased_prompts(self) -> int:
+        """Prompts with at least one live lease (kept as leases come and go: no scan)."""
+        return self._leased_prompts
+
+    def is_leased(self, prompt_index: int) -> bool:
+        return bool(self._leases_of.get(prompt_index))
+
+    def next_wake(self) -> float | None:
+        """When the earliest failed prompt's re-issue backoff ends (:meth:`wake`), or None if none waits for one."""
+        return min((t for t in self._delayed.values() if t != math.inf), default=None)
 
     def _requeue(self, idx: int, reason: str) -> None:
         self.counters[f"requeued_{reason}"] += 1

@@ -5,14 +5,23 @@ serves (M:N). Frames are :mod:`asyncrl.codec` messages (msgpack header + zero-co
 
 Who blocks on what:
 
-* Pool side, :class:`ZmqRolloutReceiver`: one I/O thread owns the ROUTER. It polls with a short
-  timeout (``TICK_S``), decodes and checks every message (a bad one is counted and dropped, the
-  peer stays), feeds groups to the :class:`~asyncrl.pool.buffer.RolloutPool`, and on every tick grants
-  leases to workers with free credits, expires overdue leases, declares silent workers dead (their
-  leases go back to the ledger) and sends heartbeats. The trainer thread never touches the socket.
+* Pool side, :class:`ZmqRolloutReceiver`: one I/O thread owns the ROUTER. It blocks in a poll until a
+  message, a wake-up from the trainer's thread or its next timer; decodes and checks every message (a bad
+  one is counted and dropped, the peer stays) and feeds groups to the :class:`~asyncrl.pool.buffer.RolloutPool`.
+  Grants follow events, not a tick: after the messages of one wake-up that can free or claim credits (a
+  group, a failure, a HELLO, a BYE), after the trainer's thread changed what the pool may lease (a group
+  taken, a version set, a commit, a reset: the pool's ``on_change`` wakes this thread) and after leases
+  expire, one grant pass (:meth:`asyncrl.pool.admission.Admission.grants`) looks at the workers concerned.
+  Timers: twice per ``heartbeat_s`` it expires overdue leases and declares silent workers dead (their leases
+  go back to the ledger); once per ``heartbeat_s`` it sends heartbeats (encoded once for all) and re-reads
+  every worker's leases from the pool. Idle, it wakes for those and for the workers' heartbeats only
+  (which answer its own, so they arrive together). The trainer thread never touches the socket.
 * Worker side, :class:`ZmqRolloutSender`: one I/O thread owns the DEALERs and handles handshake,
   heartbeats, leases and cancels; the worker's main thread blocks only in :meth:`take_leases` and
-  hands finished groups to the I/O thread over an ``inproc`` PUSH/PULL pair (zero-copy).
+  hands finished groups to the I/O thread over an ``inproc`` PUSH/PULL pair (zero-copy), which wakes it.
+  Otherwise it sleeps until its next timer: its heartbeat, a HELLO retry, a pool silent too long. It answers a
+  pool's heartbeat with its own when that is due within half an interval, so an idle worker wakes about once per
+  ``heartbeat_s`` and a pool's workers' heartbeats arrive together, read in one wake of the pool.
 
 Credit-based flow control: a worker announces ``slots`` in HELLO (capped at ``gate.max_slots_per_peer``);
 the pool keeps at most that many leases outstanding per worker and at most ``capacity`` groups in
@@ -44,6 +53,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import socket as pysocket
 import threading
@@ -62,7 +72,7 @@ from asyncrl._zmq.curve import (
     start_authenticator,
     write_curve_key_file,
 )
-from asyncrl._zmq.io import IOThread, drain, is_loopback_bind
+from asyncrl._zmq.io import IOThread, Waker, drain, is_loopback_bind
 from asyncrl.codec import DecodeError, decode, encode
 from asyncrl.config import GateConfig, TransportConfig
 from asyncrl.pool.admission import GREETED_PER_PEER, Admission, Peer
@@ -85,10 +95,16 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-TICK_S = 0.005
-HOUSEKEEPING_S = 0.05
+HOUSEKEEPING_PER_HEARTBEAT = 2
+"""The pool expires leases and reaps silent workers this often per ``heartbeat_s`` (and at least every half
+``lease_timeout_s``)."""
 SHUTDOWN_LINGER_MS = 1000
 MAX_DRAIN = 256
+ANSWERED_HEARTBEAT_SLACK = 1.1
+"""After a pool's heartbeat, a worker's own heartbeat is due at least this many intervals later (the pool's next one
+normally comes first, and is answered): its heartbeats stay at most 1.6 intervals apart."""
+TIMER_EARLY_S = 0.005
+"""A worker's heartbeat timer due within this many seconds counts as due (a poll's timeout may end that early)."""
 REGREET_AFTER_HEARTBEATS = 2.5
 """A worker that has heard nothing from a pool for this many ``heartbeat_s`` says HELLO again."""
 SHUTDOWN_ACK_S = 2.0
@@ -172,6 +188,9 @@ class ZmqRolloutReceiver(RolloutReceiver):
                                    peer_timeout_s=config.peer_timeout_s, now=time.monotonic())
         """Who is served and how many leases each gets (the pool's policy; this end only moves the messages)."""
         self._unroutable: set[bytes] = set()  # identities whose last send failed as unroutable (I/O thread)
+        self._waker = Waker(self._ctx, f"receiver-rank{rank}", coalesce=True)
+        """Wakes the I/O thread: the pool's ``on_change`` (the trainer's thread), a cancel, close."""
+        self._dirty = True  # something may let a grant pass lease more (I/O thread)
 
     # -- public --------------------------------------------------------------------------------
     def start(self) -> str:
@@ -192,17 +211,19 @@ class ZmqRolloutReceiver(RolloutReceiver):
 
     def cancel_all(self) -> None:
         self._cancel.set()
+        self._waker.wake()
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             out: dict[str, Any] = dict(self._counters)
             out["recent_errors"] = list(self._recent_errors)
-        out["workers"] = self.admission.workers()
+        out["workers"] = self.admission.workers(time.monotonic())
         return out
 
     def close(self, shutdown_workers: bool = True) -> None:
         self._shutdown_workers = shutdown_workers
-        self._io.close()  # joins the I/O thread, which closes its socket; then the context
+        # joins the I/O thread (woken: it waits for events, not a tick), which closes its sockets; then the context
+        self._io.close(before_join=self._waker.wake if self._io.started else None)
 
     # -- I/O thread ----------------------------------------------------------------------------
     def _count(self, key: str, n: int = 1) -> None:
@@ -252,12 +273,20 @@ class ZmqRolloutReceiver(RolloutReceiver):
                 auth.stop()
             return
         self._ready.set()
+        wake = None
         try:
-            self._loop(sock, monitor)
+            wake = self._waker.pull()
+            self.pool.on_change = self._waker.wake
+            self._loop(sock, monitor, wake)
         except BaseException as e:  # thread boundary: the trainer's next() re-raises it
             logger.exception("rank %d: rollout receiver died", self.rank)
             self.pool.fail(e)
         finally:
+            if self.pool.on_change == self._waker.wake:
+                self.pool.on_change = None
+            self._waker.close()  # here, under its lock: its sending end must be closed before the context's term
+            if wake is not None:
+                wake.close(linger=0)
             said_goodbye = self._say_shutdown(sock) if self._shutdown_workers else False
             sock.disable_monitor()
             monitor.close(linger=0)
@@ -297,13 +326,23 @@ class ZmqRolloutReceiver(RolloutReceiver):
         self._count("shutdown_unacknowledged", len(waiting))
         return bool(told)
 
-    def _loop(self, sock: zmq.Socket, monitor: zmq.Socket) -> None:
+    def _loop(self, sock: zmq.Socket, monitor: zmq.Socket, wake: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
-        next_heartbeat = next_housekeeping = 0.0
+        poller.register(wake, zmq.POLLIN)
+        housekeeping_s = min(self.config.heartbeat_s, self.pool.ledger.lease_timeout_s) / HOUSEKEEPING_PER_HEARTBEAT
+        now = time.monotonic()
+        next_heartbeat, next_housekeeping = now, now + housekeeping_s
         while not self._stop.is_set():
-            events = dict(poller.poll(int(TICK_S * 1000)))
+            timer = min(next_heartbeat, next_housekeeping)
+            if self.admission.blocked == "no_prompt" and (retry := self.pool.next_wake()) is not None:
+                timer = min(timer, retry)  # a failed prompt's backoff ends: it can be leased again
+            events = dict(poller.poll(0 if self._dirty else max(0, math.ceil((timer - now) * 1000))))
+            self._count("io_wakes")
+            if wake in events:  # the trainer's side changed what the pool may lease (or a cancel, or close)
+                self._waker.drain(wake)
+                self._dirty = True
             if sock in events:
                 drain(sock, lambda frames: self._handle(sock, frames), MAX_DRAIN)
             if monitor in events:
@@ -314,17 +353,35 @@ class ZmqRolloutReceiver(RolloutReceiver):
                 # only leases older than the pool's timeline: ones granted since the reset stay valid
                 for identity in list(self.admission.peers):
                     self._send(sock, identity, P.CANCEL, {"min_lease_id": self.pool.min_lease_id})
-            if now >= next_housekeeping:  # deadlines are seconds; no need to scan every pass
-                next_housekeeping = now + HOUSEKEEPING_S
-                self._count("leases_expired", len(self.pool.expire(now)))
-                self._reap(now)
+                self.admission.touch_all()  # the reset took every lease back
+                self._dirty = True
+            if now >= next_housekeeping:  # deadlines are seconds; no need to scan more often
+                next_housekeeping = now + housekeeping_s
+                self._housekeeping(now)
             if now >= next_heartbeat:
                 next_heartbeat = now + self.config.heartbeat_s
+                frames = encode(P.HEARTBEAT, {"policy_version": self.pool.policy_version,
+                                              "incarnation": self.pool.incarnation})  # once for every worker
                 for identity in list(self.admission.peers):
-                    self._send(sock, identity, P.HEARTBEAT, {"policy_version": self.pool.policy_version,
-                                                             "incarnation": self.pool.incarnation})
-            self._grant(sock, now)
+                    self._send(sock, identity, P.HEARTBEAT, frames=frames)
+                # and every worker's leases re-read from the pool (those it cancelled on its own: a duplicate group's,
+                # a skipped prompt's)
+                self.admission.touch_all()
+                self._dirty = True
+            if self._dirty or timer <= now:
+                self._dirty = False
+                self._grant(sock, now)
             self._drop_unroutable()
+
+    def _housekeeping(self, now: float) -> None:
+        """Expires overdue leases and drops silent workers (their leases go back to the pool)."""
+        expired = self.pool.expire(now)
+        if expired:
+            self._count("leases_expired", len(expired))
+            for lease in expired:
+                self.admission.touch_worker(lease.worker_id)
+            self._dirty = True
+        self._reap(now)
 
     def _monitor_event(self, frames: list[zmq.Frame]) -> None:
         event = int.from_bytes(frames[0].bytes[:2], "little")
@@ -332,9 +389,12 @@ class ZmqRolloutReceiver(RolloutReceiver):
         if name is not None:
             self._count(name)
 
-    def _send(self, sock: zmq.Socket, identity: bytes, kind: str, body: dict[str, Any]) -> bool:
+    def _send(self, sock: zmq.Socket, identity: bytes, kind: str, body: dict[str, Any] | None = None, *,
+              frames: list | None = None) -> bool:
+        """Sends ``body`` (or ``frames`` already encoded) to ``identity``; False if it cannot be sent now."""
         try:
-            sock.send_multipart([identity, *encode(kind, body)], zmq.NOBLOCK, copy=False)
+            sock.send_multipart([identity, *(frames if frames is not None else encode(kind, body))], zmq.NOBLOCK,
+                                copy=False)
             return True
         except (zmq.Again, zmq.ZMQError) as e:  # peer gone (ROUTER_MANDATORY) or its queue is full
             self._count(f"send_failed_{kind}")
@@ -350,6 +410,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
             if identity in self.admission.peers:
                 self._count("peers_unroutable")
                 self._drop_peer(identity, "workers_lost")
+                self._dirty = True
         self._unroutable.clear()
 
     def _handle(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
@@ -383,10 +444,13 @@ class ZmqRolloutReceiver(RolloutReceiver):
                 culprit = body.get("culprit")  # optional (older workers send none); an unknown one is not trusted
                 self.pool.lease_failed(body["lease_id"], peer.worker_id, body["error"][:2000],
                                        culprit=culprit if culprit in CULPRITS else "unknown")
+                self.admission.returned(peer, body["lease_id"], now, accepted=False)
+                self._dirty = True
         elif kind == P.BYE:
             self.admission.forget(identity)  # it left: no SHUTDOWN owed
             if peer is not None:
                 self._drop_peer(identity, "worker_left")
+                self._dirty = True  # its leases went back to the pool
         elif peer is None:  # heartbeat from a worker we greeted and then declared dead: it greets again
             self._send(sock, identity, P.RESYNC, {})
         elif kind == P.HEARTBEAT and isinstance(body.get("status"), dict):
@@ -396,6 +460,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
 
     def _hello(self, sock: zmq.Socket, identity: bytes, body: dict[str, Any], now: float) -> None:
         greeting = self.admission.hello(identity, body, now)
+        self._dirty = True
         for old, released in greeting.evicted:
             self._dropped(old, "worker_restarted", released)
         if greeting.refusal is not None:
@@ -447,17 +512,23 @@ class ZmqRolloutReceiver(RolloutReceiver):
             self._rejected.keep(worker_id, body["group"], e)
             if peer is not None:  # its lease is void: generate the prompt again elsewhere
                 self.pool.release_held(lease_id, peer.worker_id, "rejected")
+                self.admission.returned(peer, lease_id, time.monotonic(), accepted=False)
+                self._dirty = True
             return
         except DecodeError as e:
             self._bad(identity, e)
             self._rejected.keep(worker_id, body["group"])
             if peer is not None:  # its lease is void: generate the prompt again elsewhere
                 self.pool.release_held(lease_id, peer.worker_id, "rejected")
+                self.admission.returned(peer, lease_id, time.monotonic(), accepted=False)
+                self._dirty = True
             return
         if worker_id is not None and self.pool.cancelled_lease_of(lease_id, worker_id):
             self._count("cancelled_lease_answers")  # late, not forged: a reset cancelled the lease it answers
             if peer is None:
                 self._send(sock, identity, P.RESYNC, {})
+            else:
+                self.admission.returned(peer, lease_id, time.monotonic(), accepted=False)
             return
         if worker_id is None or not self.pool.held_by(group.epoch, group.prompt_index, worker_id):
             self._refused(
@@ -477,6 +548,8 @@ class ZmqRolloutReceiver(RolloutReceiver):
         else:
             peer.groups += accepted > 0
             self.pool.release_held(lease_id, peer.worker_id, "rejected")
+            self.admission.returned(peer, lease_id, time.monotonic(), accepted=accepted > 0)
+            self._dirty = True
 
     def rejected_rollouts(self) -> list[dict[str, Any]]:
         return self._rejected.list()
@@ -493,6 +566,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
     def _reap(self, now: float) -> None:
         for identity in self.admission.silent(now):
             self._drop_peer(identity, "workers_lost")
+            self._dirty = True
 
     def _grant(self, sock: zmq.Socket, now: float) -> None:
         for peer, leases in self.admission.grants(now, skip=self._unroutable):
@@ -514,7 +588,9 @@ class ZmqRolloutReceiver(RolloutReceiver):
             if not self._send(sock, peer.identity, P.LEASES, body):
                 # never reached the worker: not a regeneration, and first in line for the next worker
                 self.pool.undeliver(leases)
+                self.admission.undelivered(peer, leases)
                 self._count("leases_undeliverable", len(leases))
+                self._dirty = True
             else:
                 self._count("leases_granted", len(leases))
 
@@ -554,6 +630,7 @@ class ZmqRolloutSender(RolloutSender):
         self.streaming = streaming
         self._ready = ready
         self._greet_again = threading.Event()  # set_ready(): the I/O thread says HELLO again on every connection
+        self._pool_heartbeat = False  # a pool's heartbeat arrived in this wake (I/O thread)
         secret = client_secret_key(config)
         # the pool's allow-list names this worker's public key; without a configured key, a throw-away pair
         self._client_keys: tuple[bytes, bytes] = (
@@ -561,6 +638,7 @@ class ZmqRolloutSender(RolloutSender):
         )
         self._io = IOThread(self, f"asyncrl-sender-{worker_id}")
         self._ctx, self._stop = self._io.ctx, self._io.stop
+        self._waker = Waker(self._ctx, f"sender-{id(self):x}", coalesce=True)  # set_ready() and close()
         self._out_addr = f"inproc://asyncrl-out-{id(self):x}"
         self._cv = threading.Condition()
         self._leases: collections.deque[ReceivedLease] = collections.deque()
@@ -635,6 +713,7 @@ class ZmqRolloutSender(RolloutSender):
     def set_ready(self) -> None:
         self._ready = True
         self._greet_again.set()
+        self._waker.wake()
 
     @property
     def done(self) -> bool:
@@ -645,22 +724,26 @@ class ZmqRolloutSender(RolloutSender):
         if self._pusher is not None:
             self._pusher.close()  # LINGER -1: everything pushed reaches the I/O thread first
             self._pusher = None
-        self._io.close()
+        # the I/O thread waits for events, not a tick: wake it to see the stop
+        self._io.close(before_join=self._waker.wake if self._io.started else None)
 
     # -- I/O thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         pull = self._ctx.socket(zmq.PULL)
         pull.bind(self._out_addr)
+        wake = self._waker.pull()
         self._bound.set()
         dealers = [self._dealer(ep) for ep in self.endpoints]
         try:
-            self._loop(pull, dealers)
+            self._loop(pull, dealers, wake)
         except BaseException as e:  # thread boundary: take_leases() re-raises it in the main thread
             logger.exception("worker %s: sender I/O thread died", self.worker_id)
             with self._cv:
                 self._error = e
                 self._cv.notify_all()
         finally:
+            self._waker.close()  # here, under its lock: its sending end must be closed before the context's term
+            wake.close(linger=0)
             self._drain(pull, dealers)
             for i, d in enumerate(dealers):
                 if not self._shutdown[i] and not self._lost[i]:
@@ -696,15 +779,22 @@ class ZmqRolloutSender(RolloutSender):
         self._send(d, P.HELLO, body)
 
     def _send(self, d: zmq.Socket, kind: str, body: dict[str, Any]) -> None:
+        self._send_frames(d, kind, encode(kind, body))
+
+    def _send_frames(self, d: zmq.Socket, kind: str, frames: list) -> None:
         try:
-            d.send_multipart(encode(kind, body), zmq.NOBLOCK)
+            d.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:  # queue to that pool is full; heartbeats and hellos are retried anyway
             self.counters[f"send_dropped_{kind}"] += 1
 
-    def _drain(self, pull: zmq.Socket, dealers: list[zmq.Socket]) -> None:
-        """Forwards groups from the main thread; never blocks (heartbeats must keep flowing)."""
+    def _drain(self, pull: zmq.Socket, dealers: list[zmq.Socket], ready: bool = True) -> None:
+        """Forwards groups from the main thread (when ``ready``: the poll saw some); never blocks (heartbeats must
+        keep flowing)."""
         for conn, d in enumerate(dealers):
-            self._flush(conn, d)
+            if self._pending[conn]:
+                self._flush(conn, d)
+        if not ready:
+            return
         for _ in range(100_000):
             try:
                 frames = pull.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -728,50 +818,78 @@ class ZmqRolloutSender(RolloutSender):
                 return
             pending.popleft()
 
-    def _loop(self, pull: zmq.Socket, dealers: list[zmq.Socket]) -> None:
+    def _loop(self, pull: zmq.Socket, dealers: list[zmq.Socket], wake: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(pull, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
         for d in dealers:
             poller.register(d, zmq.POLLIN)
         n = len(dealers)
+        hb = self.config.heartbeat_s
         now = time.monotonic()
         handshake_deadline = now + self.config.handshake_timeout_s
         last_seen = [now] * n
         next_hello = [0.0] * n
-        next_heartbeat = now + self.config.heartbeat_s
+        next_heartbeat = now + hb
+        wake_at = now
         while not self._stop.is_set():
-            events = dict(poller.poll(20))
-            self._drain(pull, dealers)
+            # a pool's message, groups to send and set_ready()/close() wake it; otherwise only its next timer
+            events = dict(poller.poll(max(0, math.ceil((wake_at - time.monotonic()) * 1000))))
+            self.counters["io_wakes"] += 1
+            if wake in events:
+                self._waker.drain(wake)
+            self._drain(pull, dealers, pull in events)
             now = time.monotonic()
             greet_again = self._greet_again.is_set()
             self._greet_again.clear()
+            self._pool_heartbeat = False
+            wake_at = math.inf  # the earliest timer, below (the heartbeat last: a pool's may move it)
             for i, d in enumerate(dealers):
                 if d in events and drain(d, lambda frames, i=i, d=d: self._handle(i, d, frames), MAX_DRAIN):
                     last_seen[i] = now
                     self._lost[i] = False
-                if not self._welcomed[i] and not self._abandoned[i] and now >= next_hello[i]:
-                    if now > handshake_deadline:
-                        self._abandoned[i] = True
-                        logger.warning(
-                            "worker %s: no WELCOME from %s within %s s (transport.handshake_timeout_s); not serving it",
-                            self.worker_id, self.endpoints[i], self.config.handshake_timeout_s,
-                        )
-                    else:
+                if not self._welcomed[i] and not self._abandoned[i]:
+                    if now >= next_hello[i]:
+                        if now > handshake_deadline:
+                            self._abandoned[i] = True
+                            logger.warning("worker %s: no WELCOME from %s within %s s (transport.handshake_timeout_s); "
+                                           "not serving it", self.worker_id, self.endpoints[i],
+                                           self.config.handshake_timeout_s)
+                            continue
                         self._hello(d)
-                        next_hello[i] = now + self.config.heartbeat_s
-                silent = now - last_seen[i] > REGREET_AFTER_HEARTBEATS * self.config.heartbeat_s
-                if self._welcomed[i] and not self._shutdown[i] and (greet_again or (silent and now >= next_hello[i])):
+                        next_hello[i] = now + hb
+                    wake_at = min(wake_at, next_hello[i])
+                if not self._welcomed[i] or self._shutdown[i]:
+                    continue
+                regreet_at = max(last_seen[i] + REGREET_AFTER_HEARTBEATS * hb, next_hello[i])
+                if greet_again or now >= regreet_at:
                     # ready now; or the pool has been silent: it may know this connection under another identity
                     # (a reconnect) and answers nothing to a peer that never said HELLO on it
                     self._hello(d)
-                    next_hello[i] = now + self.config.heartbeat_s
-                if self._welcomed[i] and not self._shutdown[i] and now - last_seen[i] > self.config.peer_timeout_s:
+                    next_hello[i] = now + hb
+                    regreet_at = max(regreet_at, next_hello[i])
+                if now - last_seen[i] > self.config.peer_timeout_s:
                     self._lost[i] = True
-            if now >= next_heartbeat:
-                next_heartbeat = now + self.config.heartbeat_s
+                wake_at = min(wake_at, regreet_at)
+                if not self._lost[i]:
+                    wake_at = min(wake_at, last_seen[i] + self.config.peer_timeout_s + 0.001)
+            # a pool's heartbeat is answered at once when ours is due within half an interval: one wake for both.
+            # After a pool's heartbeat our own timer waits a little longer than an interval, so that the pool's next
+            # heartbeat (an interval later, plus its own delays) comes first and is answered in its wake; on an
+            # interval of our own, the two would alternate and wake this thread twice per heartbeat. (A poll's
+            # timeout may end a few milliseconds early: a timer due that soon counts as due.)
+            answered = self._pool_heartbeat and now >= next_heartbeat - hb / 2
+            if now + TIMER_EARLY_S >= next_heartbeat or answered:
+                next_heartbeat = now + hb
+                frames = encode(P.HEARTBEAT, {"status": dict(self.status)})
                 for i, d in enumerate(dealers):
                     if self._welcomed[i] and not self._shutdown[i]:
-                        self._send(d, P.HEARTBEAT, {"status": dict(self.status)})
+                        self._send_frames(d, P.HEARTBEAT, frames)
+            if self._pool_heartbeat:
+                next_heartbeat = max(next_heartbeat, now + hb * ANSWERED_HEARTBEAT_SLACK)
+            wake_at = min(wake_at, next_heartbeat)
+            if any(self._pending):  # groups a full queue held back: retried soon
+                wake_at = min(wake_at, now + 0.02)
             live = [i for i in range(n) if self._welcomed[i] and not self._shutdown[i]]
             if live and all(self._lost[i] for i in live) and not any(
                 not self._welcomed[i] and not self._abandoned[i] for i in range(n)
@@ -803,6 +921,7 @@ class ZmqRolloutSender(RolloutSender):
                 self.policy_version = max(self.policy_version, body["policy_version"])
                 self._leases.extend(leases)
             elif kind == P.HEARTBEAT:
+                self._pool_heartbeat = True
                 pv = body.get("policy_version")
                 if isinstance(pv, int):
                     self.policy_version = max(self.policy_version, pv)

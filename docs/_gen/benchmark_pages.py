@@ -333,6 +333,68 @@ def recipe_learning(r: Result) -> tuple[str, str]:
 
 
 # -- the registry -------------------------------------------------------------------------------------------------------
+def _before_after(trees: dict[str, Any], get: Callable[[dict[str, Any]], Any], fmt: Callable[[Any], str]) -> str:
+    """``before → after`` of one figure over the baseline and current trees (``after`` alone without a baseline)."""
+    def one(name: str) -> str:
+        try:
+            return fmt(get(trees[name]))
+        except (KeyError, TypeError):
+            return "–"
+
+    return f"{one('baseline')} → {one('current')}" if "baseline" in trees else one("current")
+
+
+def control_plane(r: Result) -> tuple[str, str]:
+    trees, c = r.data["trees"], r.data["config"]
+    cur = trees["current"]
+    sizes = list(cur.get("paced") or cur.get("window") or {})
+
+    def served(n: str, phase: str = "window") -> Callable[[dict[str, Any]], str]:
+        return lambda t: "{served}/{workers}".format(**t[phase][n]["groups_per_worker"])
+
+    rows = [[n,
+             _before_after(trees, served(n), str),
+             _before_after(trees, lambda t, n=n: t["window"][n]["pool_cpu_s_per_1k_groups"], f),
+             _before_after(trees, lambda t, n=n: t["paced"][n]["pool_cpu_s_per_1k_groups"], f),
+             _before_after(trees, lambda t, n=n: t["paced"][n]["credit_wait_ms"]["p50"], lambda v: f(v, 1)),
+             _before_after(trees, lambda t, n=n: t["paced"][n]["credit_wait_ms"]["p99"], lambda v: f(v, 1))]
+            for n in sizes]
+    before = "before → after: " if "baseline" in trees else ""
+    note = (f"Simulated workers (`asyncrl.testing.swarm.Swarm`, real DEALER sockets), {c['seconds']:g} s windows, "
+            f"heartbeat {c['heartbeat_s']:g} s. *window*: `max_staleness=1`, `batch_size=8` (16 groups in flight), "
+            f"8 slots a worker, an engine that costs nothing. *paced*: {c['paced_rate']:g} groups/s offered whatever "
+            "the number of workers (streaming, 2 slots each); the credit round trip is from a group sent to the next "
+            "lease received, as the worker sees it." + (f" Each cell is {before}the baseline `{trees['baseline']['ref']}` "
+                                                         "→ this tree, in the same run." if before else ""))
+    main = table(["workers", "window: workers served", "window: pool CPU-s / 1k groups", "paced: pool CPU-s / 1k groups",
+                  "credit round trip p50 (ms)", "p99 (ms)"], rows)
+    parts = [note, main]
+    if "idle" in cur:
+        share = lambda key: lambda t: t["idle"][key] if key != "worker" else t["idle"]["worker"]["core_share"]
+        pct = lambda v: f(100 * v, 2, " %")
+        parts.append(table(["idle", "share of one core"], [
+            [f"the pool process, {cur['idle']['workers']} workers connected", _before_after(trees, share("pool_core_share"), pct)],
+            ["one worker process (`asyncrl worker`, fake engine)", _before_after(trees, share("worker"), pct)]]))
+    if "scaling" in cur:
+        parts.append(f"Rollouts/s against workers, an engine call of {c['service_s']:g} s (±50 %), 8 slots, 4 leases a "
+                     f"call, a window of {2 * c['scaling_batch_size']} groups (binds from "
+                     f"{2 * c['scaling_batch_size'] // 4} workers):")
+        parts.append(table(["workers", "rollouts/s", "workers served"], [
+            [n, _before_after(trees, lambda t, n=n: t["scaling"][n]["rollouts_per_s"], lambda v: f(v, 0)),
+             _before_after(trees, served(n, "scaling"), str)]
+            for n in cur["scaling"]]))
+    verdict = cur.get("verdict", {})
+    parts.append(table(["target (this tree)", "value", "met"], [
+        [f"`{k}`", f(v.get("value"), 4), f(v.get("met"))] for k, v in verdict.items()]))
+    big = sizes[-1] if sizes else None
+    head = ""
+    if big and "window" in cur:
+        head = f"every worker served at {big} workers ({_before_after(trees, served(big), str)})"
+        if "idle" in cur:
+            head += f", idle pool {f(100 * cur['idle']['pool_core_share'], 2, ' %')} of a core"
+    return "\n\n".join(parts), head
+
+
 def _is(bench: str, **cond: Any) -> Callable[[Result], bool]:
     def pred(r: Result) -> bool:
         if r.data.get("benchmark") != bench or r.gpu != cond.get("gpu", False):
@@ -415,6 +477,11 @@ BENCHMARKS = [
               "the guarantees under SIGKILLs of workers and trainer (inside saves too) and a rogue peer",
               "python -m benchmarks.chaos",
               [Series("Accounting", _is("chaos"), chaos)]),
+    Benchmark("control_plane", "Control plane at scale", "benchmarks/control_plane.py",
+              "one pool fed by 8 to 256 simulated workers: who gets leases, pool CPU per group, the credit round trip, "
+              "idle costs; before and after in one run",
+              "python -m benchmarks.control_plane --baseline-ref main",
+              [Series("Before and after", _is("control_plane"), control_plane)]),
     Benchmark("debugger_overhead", "Debugger cost", "benchmarks/debugger_overhead.py",
               "the RL debugger's per-step cost against a collate of the same batch",
               "python -m benchmarks.debugger_overhead",
