@@ -21,7 +21,7 @@ TORCH_SPEC := torch==2.13.0
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 
-.PHONY: run test test-all setup clean
+.PHONY: run test test-unit test-all setup clean
 
 setup: $(STAMP)
 
@@ -41,7 +41,11 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 2 recipes/grpo.py --config recipes/configs/tiny_cpu.yaml
 
-# `make test` (what CI runs) leaves out the tests marked `extended`; `make test-all` runs every test.
+# `make test` (what CI runs) leaves out the tests marked `extended`; `make test-all` runs every test;
+# `make test-unit` the unit tier alone (no socket, no process: tests/unit/conftest.py refuses them).
+test-unit: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest tests/unit -m "not extended" $(PYTEST_ARGS)
+
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -m "not extended" $(PYTEST_ARGS)
 

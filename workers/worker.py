@@ -358,8 +358,9 @@ class RolloutWorker:
         provenance = {"images": [image_provenance(x) for x in images]} if images else {}
         for sample, (c, (reward, components)) in enumerate(zip(completions, scores)):
             if faults.affects_group(self.fault, group_id, lease.lease_id, c.policy_version):  # injected fault
-                faults.corrupt_completion(self.fault, c)
-                reward = faults.corrupt_reward(self.fault, reward)
+                fault = faults.active(self.fault, c.policy_version)
+                faults.corrupt_completion(fault, c)
+                reward = faults.corrupt_reward(fault, reward)
             r = Rollout(
                 epoch=lease.epoch,
                 prompt_index=lease.prompt_index,

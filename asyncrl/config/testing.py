@@ -30,10 +30,24 @@ class FaultConfig:
     """Fraction of groups affected (drawn per group and attempt, so a rejected group can pass on re-lease)."""
     scale: float = 1000.0
     """``exploding_reward``: the factor."""
+    until_version: int | None = None
+    """The fault ends before the first rollout (or weight update) of this policy version; None: it lasts to the end
+    of the run. A ``stale_weights`` window that ends leaves the engine on whatever the skipped updates left (a delta
+    chain stays broken): put it last."""
+    then: FaultConfig | None = None
+    """The next fault, a window of its own (``testing.worker_fault.then.kind=...``): one run can inject several
+    faults in turn, each on healthy history. Needs this fault's ``until_version``, at or before the next one's
+    ``from_version``."""
 
     def __post_init__(self):
         if not 0 < self.fraction <= 1 or self.from_version < 0:
             raise ValueError(f"need 0 < {self.fraction=} <= 1 and {self.from_version=} >= 0")
+        if self.until_version is not None and self.until_version <= self.from_version:
+            raise ValueError(f"testing.worker_fault: {self.until_version=} must be above {self.from_version=}")
+        if self.then is not None and (self.until_version is None or self.then.from_version < self.until_version):
+            raise ValueError(f"testing.worker_fault.then starts at from_version={self.then.from_version}, which must be "
+                             f"at or after this fault's until_version={self.until_version} (set it: windows may not "
+                             "overlap)")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -50,7 +50,7 @@ def render() -> dict[Path, str]:
         "# Command line",
         "",
         "Generated from the commands' own `--help` by `python -m docs._gen` (at 100 columns); "
-        "`tests/unit/test_docs_generated.py` fails while this page differs from what they print.",
+        "`tests/unit/docs/test_docs_generated.py` fails while this page differs from what they print.",
         "",
         "The `asyncrl` command is installed with the package (`pip install -e .`). The recipe itself is a script "
         "run with `torchrun` (see [the recipe](../guides/recipe.md)).",

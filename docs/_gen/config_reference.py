@@ -6,7 +6,7 @@ dataclasses it names. A field's text is the string literal right under it in the
 the convention of every config class here); its type is the annotation as written; its default is the
 dataclass default. Moving a class to another module, splitting one into several, or renaming one regenerates
 the page with no change here; a field without a docstring is listed with an empty description, and
-``tests/unit/test_docs_generated.py`` fails while the committed page differs from what this writes.
+``tests/unit/docs/test_docs_generated.py`` fails while the committed page differs from what this writes.
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def render() -> dict[Path, str]:
         # Configuration reference
 
         Generated from the config dataclasses' field docstrings by `python -m docs._gen`: edit the docstring in
-        the code, not this page (`tests/unit/test_docs_generated.py` fails while they differ).
+        the code, not this page (`tests/unit/docs/test_docs_generated.py` fails while they differ).
 
         A run file of the recipe (`recipes/configs/*.yaml`) is one `RecipeConfig`: each section below is a nested
         key, and any key can be overridden on the command line as `section.key=value` (the value is read as

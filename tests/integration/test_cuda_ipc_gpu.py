@@ -3,7 +3,7 @@ bf16 model, a worker process opens the slots once at start-up and applies four v
 live in one flat buffer; every version's engine tensors equal the published ones (word sums), nothing fails. With
 two GPUs, the nccl backend between them the same way. The
 device pieces on their own: the slot checksum on CUDA equals the CPU's, and an exported handle survives msgpack.
-The protocol's hostile cases run without CUDA in ``tests/unit/test_cuda_ipc_weights.py``; the 1.5B figure comes from
+The protocol's hostile cases run without CUDA in ``tests/integration/test_cuda_ipc_weights.py``; the 1.5B figure comes from
 ``benchmarks/gpu_weight_sync.py`` (``benchmarks/gpu_checks.sh``)."""
 
 from __future__ import annotations

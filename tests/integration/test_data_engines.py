@@ -67,7 +67,7 @@ def test_hf_engine_generates_from_the_rendered_prompt(prompts, tiny_chat_model):
 def test_vllm_engine_generates_from_the_rendered_prompt(prompts, tiny_chat_model):
     # in a process that has loaded numba first (the delta kernels warm up in every broadcaster/receiver with deltas):
     # vLLM's start-up scan of every module's namespace used to fail on llvmlite's lazy library object
-    # ('_lib_fn_wrapper' object has no attribute 'get'); tests/unit/test_tiny_bpe.py's vLLM test (extended) too
+    # ('_lib_fn_wrapper' object has no attribute 'get'); tests/unit/testing/test_tiny_bpe.py's vLLM test (extended) too
     from asyncrl.weights import _delta_kernels
 
     _delta_kernels.warm()

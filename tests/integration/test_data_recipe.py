@@ -100,7 +100,7 @@ def test_a_jsonl_of_messages_trains_and_the_trainer_sees_the_chat_template(tmp_p
 
 
 @pytest.mark.extended  # make test: the jsonl run above drops its over-long prompt; parquet and text prompts load in
-# tests/unit/test_data.py, and text prompts train in every tiny_cpu.yaml recipe test
+# tests/unit/data/test_data.py, and text prompts train in every tiny_cpu.yaml recipe test
 def test_a_parquet_of_text_prompts_trains_and_drops_over_long_ones(tmp_path, tiny_chat_model):
     import datasets
 

@@ -10,7 +10,7 @@ Checked from the trainer's own records (``consumed-rank*.jsonl``, ``metrics.json
 trained exactly once across the parts, every step logged once, and every rank of a resumed part trained a full batch
 at each of its steps (no rank idle for lack of a shard). 2 -> 1 mid-epoch, 1 -> 2 from an epoch end, bit-exact shards,
 routed groups and any resize: tests/integration/test_elastic_resume.py, test_resume_contract.py (its resize rule) and
-tests/unit/test_reshard.py.
+tests/unit/pool/test_reshard.py.
 """
 
 from __future__ import annotations

@@ -41,7 +41,13 @@ def _end_leftovers(tmp_path: Path) -> None:
                         pass
 
 
-@pytest.mark.parametrize("streaming", [False, pytest.param(True, marks=pytest.mark.slow)])
+# streaming=True, a repeat on the library loop: make test keeps exactly once across worker SIGKILLs and a trainer
+# resume with the static worker loop here (streaming=False), under a rogue peer and kills inside saves in
+# tests/chaos/test_chaos.py::test_chaos_short, and for the streaming worker loop its groups in flight re-issued after
+# a kill in test_streaming_worker.py::
+# test_a_streaming_worker_exits_with_its_killed_parent_and_its_groups_in_flight_are_reissued and the resumed
+# trainer's timeline in test_timeline_rollback.py[streaming=True].
+@pytest.mark.parametrize("streaming", [False, pytest.param(True, marks=[pytest.mark.slow, pytest.mark.extended])])
 def test_worker_sigkill_and_trainer_resume_consume_every_group_once(tmp_path: Path, streaming: bool):
     """Streaming: the worker killed at step 5 has its requests inside the engine (mid-batch); its leases are
     re-issued like a static worker's."""

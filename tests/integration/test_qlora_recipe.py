@@ -40,7 +40,7 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.extended  # 4 torchrun runs (~3 min): make test keeps tests/unit/test_qlora.py (adapter-only checkpoint,
+@pytest.mark.extended  # 4 torchrun runs (~3 min): make test keeps tests/unit/workers/engines/test_qlora.py (adapter-only checkpoint,
 #   base by hash, refused resumes, logprobs on the 4-bit base) and the recipe's own resume tests
 def test_qlora_resumes_exactly_and_syncs_only_the_adapter(tmp_path):
     import torch

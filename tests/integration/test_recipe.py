@@ -381,6 +381,11 @@ def test_killing_torchrun_ends_its_ranks_and_their_workers(tmp_path):
         proc.stdout.close()
 
 
+@pytest.mark.extended  # one run per run directory, a repeat: make test keeps it on the recipe in
+# test_sigkill_and_resume_trains_each_group_once_with_identical_losses (a second launch on a held directory is refused
+# at once, naming the holder, writing nothing, the holder untouched), on the library loop in
+# test_drop_in_resume.py::test_a_second_drop_in_on_a_held_run_directory_is_refused, and in process in
+# tests/unit/checkpoint/test_run_dir.py
 def test_a_run_directory_held_by_another_run_is_refused_at_once(tmp_path):
     # the holder here is this test process; a fresh run must leave without writing anything (a --resume refused
     # while a live run holds the directory: test_sigkill_and_resume_trains_each_group_once_with_identical_losses)
@@ -400,6 +405,10 @@ def test_a_run_directory_held_by_another_run_is_refused_at_once(tmp_path):
         lock.release()
 
 
+@pytest.mark.extended  # exactly once across resumes, a repeat (three launches): make test keeps it on the recipe in
+# test_sigkill_and_resume_trains_each_group_once_with_identical_losses, and the chain through an epoch end that froze
+# the loader state in tests/chaos/test_chaos.py::test_chaos_short (epoch_end_resumes=1: killed and resumed at the
+# first epoch's checkpointed end, then again after the next checkpoint, every group of both epochs once)
 def test_a_chain_of_resumes_through_an_epoch_end_trains_each_group_once(tmp_path):
     """Run to the end of epoch 0 (its last step is a checkpoint), resume into epoch 1, resume again. The loader
     state used to freeze at the end-of-epoch state after the first resume: step 6's checkpoint held step 4's loader

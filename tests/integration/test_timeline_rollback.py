@@ -109,7 +109,7 @@ def test_a_dead_incarnations_rollouts_are_refused_over_the_wire():
 
     from asyncrl import LoaderConfig, RolloutLoader, TransportConfig
     from asyncrl.transport import setup_rollout_sender
-    from tests.unit.test_pool import make_group
+    from tests.unit.pool.test_pool import make_group
 
     DEAD_REWARD = -0.75
 

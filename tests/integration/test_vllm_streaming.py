@@ -212,7 +212,7 @@ def test_the_streaming_worker_loop_on_vllm_answers_every_lease_once_across_an_in
     """The worker's streaming loop (workers/streaming.py, with the channel fakes of its unit tests) on this engine: each
     lease answered once, the update applied in flight, the rollouts' spans and logprobs right per version."""
     from asyncrl.rewards.legacy import fake_reward
-    from tests.unit.test_streaming import StagedWeights, StreamSender, _lease
+    from tests.unit.workers.test_streaming import StagedWeights, StreamSender, _lease
     from workers.worker import RolloutWorker
 
     base = load_model(model_dir)

@@ -15,7 +15,7 @@ from asyncrl.testing.tiny_model import TINY_CONFIG
 from asyncrl.weights.base import WeightUpdate
 from asyncrl.weights.verify import WeightVerifier
 from tests.engine_utils import load_model, lora_update, perturbed
-from tests.unit.test_weight_verify import _apply, _worker
+from tests.unit.weights.test_weight_verify import _apply, _worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 

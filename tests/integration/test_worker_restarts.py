@@ -1,7 +1,7 @@
 """Local worker restarts through the loader: a worker that crashes at start-up is restarted
 ``loader.restart_workers`` times (with backoff, counted), then ``next()`` raises the clear "all workers dead"
 error, with the worker's last stderr lines, instead of waiting forever. (Unlimited restarts and the backoff's growth:
-tests/unit/test_launcher.py; a worker given up after the same start-up error: test_worker_start_failures.py.)"""
+tests/integration/test_launcher.py; a worker given up after the same start-up error: test_worker_start_failures.py.)"""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Workers that cannot start, with real worker processes: a worker that dies before its first group with the same
 error each time is restarted ``max_failed_starts`` - 1 times, not forever, and ``next(loader)`` raises its error with
 its last stderr lines (which still reach the trainer's stderr). The trainer-side checks that catch most such set-ups
-before any process starts are in tests/unit/test_fail_fast.py; here are the failures only a worker process can show:
+before any process starts are in tests/unit/datapipes/test_fail_fast.py; here are the failures only a worker process can show:
 a dependency missing where the workers run, a model whose files pass the path check but do not load."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ PROMPTS = [{"prompt_ids": [1 + i, 2, 3], "text": f"{i}+1=", "answer": str(i + 1)
 
 def _config(**worker) -> LoaderConfig:
     return LoaderConfig(group_size=2, batch_size=2, num_workers=1, restart_backoff_s=0.05, poll_timeout_s=0.2,
-                        max_failed_starts=2,  # the default is 3 (tests/unit/test_launcher.py); two cold starts here
+                        max_failed_starts=2,  # the default is 3 (tests/integration/test_launcher.py); two cold starts here
                         wait_timeout_s=300,  # a bound on the test: the loader gives up long before
                         transport=TransportConfig(heartbeat_s=0.2, peer_timeout_s=5), worker=WorkerConfig(**worker))
 

@@ -14,7 +14,7 @@ The forward inputs are those of ``model.generate(do_sample=True)`` (transformers
 (:func:`warpers`, which is also what :func:`asyncrl.train.logprobs.sampling_logprobs` applies on the trainer), the same
 pad-after-stop rule. So each token is drawn from exactly ``generate``'s distribution, and its logprob is the one the
 trainer's teacher-forced :func:`asyncrl.train.logprobs.token_logprobs` recomputes (up to float rounding of the batched
-forward; ``tests/unit/test_hf_decode.py`` holds it to that). The draw itself differs: ``generate`` calls
+forward; ``tests/unit/workers/engines/test_hf_decode.py`` holds it to that). The draw itself differs: ``generate`` calls
 ``torch.multinomial``, which draws an exponential per vocabulary entry (~195 us a step for 32 rows x 128 tokens on
 one CPU thread, ~6% of the tiny model's decode); the inverse CDF draws one uniform per row (~20 us). So the tokens
 are not ``generate``'s for the same seed, only from the same distribution. What the loop leaves out of ``generate``
