@@ -21,7 +21,7 @@ from asyncrl.pool.buffer import RolloutPool
 from asyncrl.pool.ledger import PromptLedger, PromptState
 from asyncrl.pool.reshard import needs_reshard, reshard
 from asyncrl.pool.shards import shard_indices
-from tests.unit.test_pool import assert_groups_equal, deliver, make_group
+from tests.unit.pool.test_pool import assert_groups_equal, deliver, make_group
 
 GROUP = 2
 
