@@ -103,6 +103,9 @@ MAX_DRAIN = 256
 ANSWERED_HEARTBEAT_SLACK = 1.1
 """After a pool's heartbeat, a worker's own heartbeat is due at least this many intervals later (the pool's next one
 normally comes first, and is answered): its heartbeats stay at most 1.6 intervals apart."""
+HELLO_RETRY_S = 0.005
+"""A HELLO that could not leave (its connection is not made yet) is tried again after this, doubling up to
+``heartbeat_s``: a worker started with its pool says HELLO as soon as the connection is up, not a heartbeat later."""
 TIMER_EARLY_S = 0.005
 """A worker's heartbeat timer due within this many seconds counts as due (a poll's timeout may end that early)."""
 REGREET_AFTER_HEARTBEATS = 2.5
@@ -764,7 +767,7 @@ class ZmqRolloutSender(RolloutSender):
         d.connect(endpoint)
         return d
 
-    def _hello(self, d: zmq.Socket) -> None:
+    def _hello(self, d: zmq.Socket) -> bool:
         body = {
             "worker_id": self.worker_id,
             "slots": self.slots,
@@ -776,16 +779,20 @@ class ZmqRolloutSender(RolloutSender):
             body["streaming"] = True
         if not self._ready:
             body["ready"] = False
-        self._send(d, P.HELLO, body)
+        return self._send(d, P.HELLO, body)
 
-    def _send(self, d: zmq.Socket, kind: str, body: dict[str, Any]) -> None:
-        self._send_frames(d, kind, encode(kind, body))
+    def _send(self, d: zmq.Socket, kind: str, body: dict[str, Any]) -> bool:
+        return self._send_frames(d, kind, encode(kind, body))
 
-    def _send_frames(self, d: zmq.Socket, kind: str, frames: list) -> None:
+    def _send_frames(self, d: zmq.Socket, kind: str, frames: list) -> bool:
+        """Whether the message left; it does not while the connection is not made yet (``IMMEDIATE``) or its queue
+        is full (heartbeats and hellos are retried anyway)."""
         try:
             d.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.Again:  # queue to that pool is full; heartbeats and hellos are retried anyway
+        except zmq.Again:
             self.counters[f"send_dropped_{kind}"] += 1
+            return False
+        return True
 
     def _drain(self, pull: zmq.Socket, dealers: list[zmq.Socket], ready: bool = True) -> None:
         """Forwards groups from the main thread (when ``ready``: the poll saw some); never blocks (heartbeats must
@@ -830,6 +837,8 @@ class ZmqRolloutSender(RolloutSender):
         handshake_deadline = now + self.config.handshake_timeout_s
         last_seen = [now] * n
         next_hello = [0.0] * n
+        regreet = [False] * n  # set_ready() since the last HELLO on this connection: greet it as soon as welcomed
+        hello_retry = [HELLO_RETRY_S] * n  # a HELLO the unmade connection refused is retried after this (doubling)
         next_heartbeat = now + hb
         wake_at = now
         while not self._stop.is_set():
@@ -840,8 +849,9 @@ class ZmqRolloutSender(RolloutSender):
                 self._waker.drain(wake)
             self._drain(pull, dealers, pull in events)
             now = time.monotonic()
-            greet_again = self._greet_again.is_set()
-            self._greet_again.clear()
+            if self._greet_again.is_set():  # kept per connection: one not welcomed yet is greeted when it is
+                self._greet_again.clear()
+                regreet = [True] * n
             self._pool_heartbeat = False
             wake_at = math.inf  # the earliest timer, below (the heartbeat last: a pool's may move it)
             for i, d in enumerate(dealers):
@@ -856,17 +866,21 @@ class ZmqRolloutSender(RolloutSender):
                                            "not serving it", self.worker_id, self.endpoints[i],
                                            self.config.handshake_timeout_s)
                             continue
-                        self._hello(d)
-                        next_hello[i] = now + hb
+                        if self._hello(d):  # it says whether this worker is ready now
+                            next_hello[i], hello_retry[i] = now + hb, HELLO_RETRY_S
+                        else:  # the connection is not made yet (IMMEDIATE): try again soon, backing off to hb
+                            next_hello[i], hello_retry[i] = now + hello_retry[i], min(hb, 2 * hello_retry[i])
+                        regreet[i] = False
                     wake_at = min(wake_at, next_hello[i])
                 if not self._welcomed[i] or self._shutdown[i]:
                     continue
                 regreet_at = max(last_seen[i] + REGREET_AFTER_HEARTBEATS * hb, next_hello[i])
-                if greet_again or now >= regreet_at:
+                if regreet[i] or now >= regreet_at:
                     # ready now; or the pool has been silent: it may know this connection under another identity
                     # (a reconnect) and answers nothing to a peer that never said HELLO on it
                     self._hello(d)
                     next_hello[i] = now + hb
+                    regreet[i] = False
                     regreet_at = max(regreet_at, next_hello[i])
                 if now - last_seen[i] > self.config.peer_timeout_s:
                     self._lost[i] = True

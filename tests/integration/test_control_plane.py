@@ -141,6 +141,28 @@ def test_idle_ends_wait_for_events_instead_of_polling():
     assert statuses["credits_withheld_no_prompt_s"] > 0  # the wait is still charged, without a grant pass per tick
 
 
+def test_a_worker_started_before_its_pool_says_hello_when_the_connection_is_up_not_a_heartbeat_later(tmp_path):
+    """A worker's DEALER has IMMEDIATE=1: a HELLO sent before its connection is made does not leave. It is tried again
+    soon (from 5 ms, doubling up to ``heartbeat_s``), not a heartbeat later: once the I/O thread woke on events
+    instead of a 20 ms tick, its first HELLO usually beat the connection, and the first batch of every run (a run's
+    start, every resume, every test that builds a loader) waited one ``heartbeat_s``."""
+    heartbeat_s = 60.0  # a retry a heartbeat later takes a minute, past the handshake's 20 s bound
+    transport = TransportConfig(bind=f"ipc://{tmp_path}/pool.sock", heartbeat_s=heartbeat_s, peer_timeout_s=300.0,
+                                handshake_timeout_s=20.0)
+    pool = RolloutPool(PromptLedger(8), group_size=GROUP_SIZE, capacity=8)
+    receiver = ZmqRolloutReceiver(transport, pool, lambda i: {"prompt_ids": [1]})
+    late = threading.Timer(0.3, receiver.start)  # the pool binds after the worker's first HELLOs were due
+    late.start()
+    sender = setup_rollout_sender(transport, [transport.bind], worker_id="early", slots=4)
+    try:
+        sender.start()  # returns once welcomed; HandshakeTimeout after 20 s
+        assert sender.counters["send_dropped_hello"] >= 1, dict(sender.counters)  # it did start too early
+    finally:
+        late.join()
+        receiver.close()  # first: the worker answers its SHUTDOWN
+        sender.close()
+
+
 @pytest.mark.extended
 @pytest.mark.parametrize("workers", [8, 32])
 def test_every_worker_gets_leases_over_30_seconds(workers):
