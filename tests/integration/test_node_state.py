@@ -74,15 +74,16 @@ def test_state_dict_survives_torch_save_and_new_loader(tmp_path):
     assert sorted(seen + rest) == sorted(f"e0-p{i}" for i in range(20))
 
 
-def test_state_from_other_topology_is_rejected():
+def test_one_ranks_state_at_another_number_of_ranks_is_refused_naming_the_elastic_resume():
     a = _deterministic_loader()
     try:
         state = a.state_dict()
     finally:
         a.close()
     b = _deterministic_loader(rank=1, world_size=2, num_workers=0)
-    try:  # refused where the mistake is made: load_state_dict applies the state at once
-        with pytest.raises(ValueError, match="same dataset, seed and number of trainer ranks"):
+    try:  # refused where the mistake is made (load_state_dict applies the state at once), naming the elastic resume
+        with pytest.raises(ValueError, match=r"rank 0's of a run at 1 trainer ranks, but this ledger is rank 1 of 2: .*"
+                                             r"give every rank the states of all 1 ranks"):
             b.load_state_dict(state)
     finally:
         b.close()
