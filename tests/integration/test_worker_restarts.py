@@ -5,6 +5,7 @@ tests/integration/test_launcher.py; a worker given up after the same start-up er
 
 from __future__ import annotations
 
+import sys
 import textwrap
 
 import pytest
@@ -24,6 +25,7 @@ def test_n_restarts_then_next_raises_all_workers_dead(tmp_path, monkeypatch):
             return [0.0 for _ in completions]
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "judge", raising=False)  # another test's judge.py, imported in this process
     config = LoaderConfig(
         group_size=2,
         batch_size=2,

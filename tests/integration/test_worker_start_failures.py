@@ -7,6 +7,7 @@ a dependency missing where the workers run, a model whose files pass the path ch
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 
 import pytest
@@ -38,6 +39,7 @@ def test_a_reward_whose_dependency_the_workers_lack_raises_its_error_from_next(t
             return [0.0 for _ in completions]
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "judge", raising=False)  # another test's judge.py, imported in this process
     with RolloutLoader(PROMPTS, _config(reward="judge:score")) as loader:
         with pytest.raises(WorkerStartError) as info:
             next(iter(loader))
