@@ -51,3 +51,19 @@ def run_test_save_load_state(node: BaseNode, midpoint: int, key: Callable[[Any],
     x = Loader(node)
     x.load_state_dict(state_dict_0_end)
     assert keys(x) == results_1
+
+
+class FakeSender:
+    """A rollout sender that keeps what a worker sends: ``(lease_id, group)`` per group, ``(lease_id, error)`` per
+    failed lease and the culprit each failure names."""
+
+    def __init__(self):
+        self.groups, self.failed, self.status, self.done = [], [], {}, False
+        self.culprits = []
+
+    def send_group(self, lease, group):
+        self.groups.append((lease.lease_id, group))
+
+    def send_failed(self, lease, error, culprit=None):
+        self.failed.append((lease.lease_id, error))
+        self.culprits.append(culprit)

@@ -13,6 +13,7 @@ import torch
 from asyncrl.config import FakeEngineConfig, RewardConfig, WorkerConfig, from_dict, to_dict
 from asyncrl.rewards import UNSCORED, RewardError, RewardSet, format_reward, math_reward, reasoning_gym_reward
 from asyncrl.transport import ReceivedLease
+from tests.utils import FakeSender
 from workers.engines import Completion, build_engine
 from workers.worker import RolloutWorker
 
@@ -139,19 +140,6 @@ def test_async_rewards_run_concurrently_across_the_batch_on_one_loop():
 
 # ---------------------------------------------------------------------------------------------------------------------
 # a raising reward fails that lease only
-
-
-class FakeSender:
-    def __init__(self):
-        self.groups, self.failed, self.status, self.done = [], [], {}, False
-        self.culprits = []
-
-    def send_group(self, lease, group):
-        self.groups.append((lease.lease_id, group))
-
-    def send_failed(self, lease, error, culprit=None):
-        self.failed.append((lease.lease_id, error))
-        self.culprits.append(culprit)
 
 
 def picky(prompts, completions, bad=None, **kwargs):

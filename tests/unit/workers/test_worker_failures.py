@@ -9,23 +9,11 @@ from asyncrl._logging import Throttle
 from asyncrl.config import FakeEngineConfig
 from asyncrl.rewards.legacy import fake_reward
 from asyncrl.transport import ReceivedLease
+from tests.utils import FakeSender
 from workers.engines import build_engine
 from workers.worker import RolloutWorker
 
 POISON = {"foo": 1}
-
-
-class FakeSender:
-    def __init__(self):
-        self.groups, self.failed, self.status, self.done = [], [], {}, False
-        self.culprits = []
-
-    def send_group(self, lease, group):
-        self.groups.append((lease.lease_id, group))
-
-    def send_failed(self, lease, error, culprit=None):
-        self.failed.append((lease.lease_id, error))
-        self.culprits.append(culprit)
 
 
 def lease(lease_id: int, prompt) -> ReceivedLease:
