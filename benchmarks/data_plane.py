@@ -158,6 +158,9 @@ class CallbackSender(RolloutSender):
     def done(self) -> bool:
         return False
 
+    def set_ready(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -433,8 +436,23 @@ def ray_actor_queue(args: argparse.Namespace, mode: str) -> Iterator[tuple[Calla
         watched = [pid for pids in info["other_pids"].values() for pid in pids] + info["producer_pids"]
         runs = [p.run.remote(rank, args.workers, args.prompts, mode, queue) for rank, p in enumerate(producers)]
 
+        def get_one() -> Any:
+            """The next queued item. A producer's run that raised raises here at once, instead of leaving the
+            consumer blocked on a queue nobody fills; one that returned (its prompts done) is no longer waited on."""
+            pending, watched = queue.get.remote(), list(runs)
+            while True:
+                ready, _ = ray.wait([pending, *watched], num_returns=1, timeout=120)
+                if not ready:
+                    raise TimeoutError("the Ray queue delivered nothing for 120 s")
+                if ready[0] == pending:
+                    return ray.get(pending)
+                ray.get(ready[0])  # raises the producer's error
+                watched.remove(ready[0])
+                if not watched:  # every producer is done: what is still queued, or a timeout
+                    return ray.get(pending, timeout=30)
+
         def next_batch() -> TrainBatch:
-            items = [ray.get(queue.get.remote(), timeout=120) for _ in range(args.batch_size)]
+            items = [get_one() for _ in range(args.batch_size)]
             if any(x is None for x in items):
                 raise RuntimeError("the Ray queue closed under the consumer")
             return collate_counting([from_queue_item(x, mode) for x in items])
