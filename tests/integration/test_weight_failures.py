@@ -39,7 +39,8 @@ def test_corrupted_broadcast_is_not_committed_and_is_reported():
         wait_timeout_s=60,
         transport=TransportConfig(heartbeat_s=0.2, peer_timeout_s=10),
         worker=WorkerConfig(engine=FakeEngineConfig(max_new_tokens=8, seconds_per_token=0.002),
-                            weights=WeightSyncConfig(type="zmq", address=broadcaster.address)),
+                            # leases at the failed version wait catch_up_s for it, then generate with version 0
+                            weights=WeightSyncConfig(type="zmq", address=broadcaster.address, catch_up_s=1.0)),
     )
     try:
         with RolloutLoader([{"prompt_ids": [i + 1]} for i in range(400)], config) as loader:
