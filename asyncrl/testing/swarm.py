@@ -39,6 +39,7 @@ from asyncrl._zmq.io import IOThread, Waker, drain
 from asyncrl.codec import DecodeError, decode, encode
 from asyncrl.rollout import make_group_id, make_uid
 from asyncrl.transport import protocol as P
+from asyncrl.transport.zmq import HELLO_RETRY_S
 
 __all__ = ["Swarm"]
 
@@ -56,6 +57,7 @@ class _Sim:
     welcomed: bool = False
     shutdown: bool = False
     hello_at: float = math.nan
+    hello_retry: float = HELLO_RETRY_S
     next_heartbeat: float = 0.0
     first_lease_s: float | None = None
     queued: collections.deque = field(default_factory=collections.deque)
@@ -205,8 +207,10 @@ class Swarm:
                 _, index = heapq.heappop(self._timers)
                 s = self._sims[index]
                 if not s.welcomed:
-                    self._hello(s, now)
-                    s.next_heartbeat = now + self.heartbeat_s * (0.5 + index / self.n)  # spread, as processes' are
+                    if self._hello(s, now):
+                        s.next_heartbeat = now + self.heartbeat_s * (0.5 + index / self.n)  # spread, as processes' are
+                    else:  # the connection is not made yet (IMMEDIATE): retried soon, backing off, as a real worker
+                        s.next_heartbeat, s.hello_retry = now + s.hello_retry, min(self.heartbeat_s, 2 * s.hello_retry)
                 elif now >= s.next_heartbeat and not s.shutdown:
                     self._heartbeat(s, now)
                 heapq.heappush(self._timers, (s.next_heartbeat, index))
@@ -277,23 +281,27 @@ class Swarm:
             s.shutdown = True
             self._idle_with_work.discard(s.index)
 
-    def _hello(self, s: _Sim, now: float) -> None:
+    def _hello(self, s: _Sim, now: float) -> bool:
+        """Whether the HELLO left (see :meth:`_send`)."""
         if math.isnan(s.hello_at):
             s.hello_at = now
         body = {"worker_id": s.worker_id, "slots": self.slots, "pid": 0, "host": "swarm", "protocol": P.PROTOCOL_VERSION}
         if self.streaming:
             body["streaming"] = True
-        self._send(s, P.HELLO, body)
+        return self._send(s, P.HELLO, body)
 
     def _heartbeat(self, s: _Sim, now: float) -> None:
         self._send(s, P.HEARTBEAT, {"status": self._status(s)})
         s.next_heartbeat = now + self.heartbeat_s
 
-    def _send(self, s: _Sim, kind: str, body: dict[str, Any]) -> None:
+    def _send(self, s: _Sim, kind: str, body: dict[str, Any]) -> bool:
+        """Whether the message left: not while the connection is not made yet (``IMMEDIATE``) or its queue is full."""
         try:
             s.sock.send_multipart(encode(kind, body), zmq.NOBLOCK, copy=False)
         except zmq.Again:
             self.counters[f"send_dropped_{kind}"] += 1
+            return False
+        return True
 
     def _status(self, s: _Sim) -> dict[str, int | float]:
         values = {"policy_version": s.policy_version, "groups_sent": s.groups, "rollouts_sent": s.groups * self.group_size}

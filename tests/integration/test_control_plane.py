@@ -163,6 +163,26 @@ def test_a_worker_started_before_its_pool_says_hello_when_the_connection_is_up_n
         sender.close()
 
 
+def test_simulated_workers_retry_a_dropped_hello_as_real_ones_do(tmp_path):
+    """The swarm speaks the real protocol, including the HELLO retry above: a simulated worker's HELLO dropped before
+    its connection is made is tried again from 5 ms on, not a heartbeat later (before, the benchmark's "first HELLO
+    to first lease" counted that heartbeat)."""
+    transport = TransportConfig(bind=f"ipc://{tmp_path}/pool.sock", heartbeat_s=60.0, peer_timeout_s=300.0)
+    pool = RolloutPool(PromptLedger(64), group_size=GROUP_SIZE, capacity=64)
+    pool.start_epoch(0)
+    receiver = ZmqRolloutReceiver(transport, pool, lambda i: {"prompt_ids": [1]})
+    late = threading.Timer(0.3, receiver.start)  # the pool binds after the swarm's first HELLOs were due
+    late.start()
+    swarm = Swarm(transport.bind, 4, slots=2, group_size=GROUP_SIZE, heartbeat_s=60.0)
+    try:
+        swarm.start(timeout=20.0)  # a retry a heartbeat later: 30-60 s, past this bound
+        assert swarm.counters["send_dropped_hello"] >= 1, dict(swarm.counters)  # it did start too early
+    finally:
+        late.join()
+        receiver.close()
+        swarm.close()
+
+
 @pytest.mark.extended
 @pytest.mark.parametrize("workers", [8, 32])
 def test_every_worker_gets_leases_over_30_seconds(workers):
