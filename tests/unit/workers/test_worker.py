@@ -15,22 +15,10 @@ from asyncrl.train.logprobs import token_logprobs
 from asyncrl.transport import ReceivedLease
 from asyncrl.weights import WeightUpdate
 from tests.engine_utils import SAMPLING, TOL, load_model, perturbed
+from tests.utils import FakeSender
 from workers.engines import Completion, build_engine
 from workers.environments import ArithmeticRetryEnv
 from workers.worker import RolloutWorker
-
-
-class FakeSender:
-    def __init__(self):
-        self.groups, self.failed, self.status, self.done = [], [], {}, False
-        self.culprits = []
-
-    def send_group(self, lease, group):
-        self.groups.append(group)
-
-    def send_failed(self, lease, error, culprit=None):
-        self.failed.append((lease.lease_id, error))
-        self.culprits.append(culprit)
 
 
 class FakeWeights:
@@ -84,7 +72,7 @@ def test_partial_rollouts_keep_tokens_and_carry_version_spans(model_dir):
     worker = RolloutWorker("w0", engine, fake_reward, sender, max_batch=2, weights=weights, interrupt_every_tokens=4)
     worker.step(_leases(2))
     assert weights.committed == [1] and not sender.failed
-    for group in sender.groups:
+    for _, group in sender.groups:
         for r in group.rollouts:
             assert r.version_spans == [(0, 0, 4), (1, 4, 12)] and r.policy_version == 0
             lp0 = _logprobs(v0, r.prompt_ids, r.response_ids)
@@ -102,7 +90,7 @@ def test_multi_turn_environment_masks_environment_tokens(model_dir):
     worker.step(_leases(2, group_size=2))
     feedback = engine.encode(" no, again:")
     seen_feedback = 0
-    for group in sender.groups:
+    for _, group in sender.groups:
         for r in group.rollouts:
             mask = r.loss_mask
             assert mask is not None and mask.numel() == r.response_ids.numel()
@@ -143,4 +131,4 @@ def test_every_rollout_says_what_it_was_sampled_with(model_dir):
     sender = FakeSender()
     RolloutWorker("w0", engine, fake_reward, sender, max_batch=2).step(_leases(2, group_size=2))
     want = {k: SAMPLING[k] for k in ("temperature", "top_k", "top_p")}
-    assert [r.sampling for g in sender.groups for r in g.rollouts] == [want] * 4
+    assert [r.sampling for _, g in sender.groups for r in g.rollouts] == [want] * 4
