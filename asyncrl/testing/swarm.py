@@ -60,6 +60,7 @@ class _Sim:
     hello_retry: float = HELLO_RETRY_S
     next_heartbeat: float = 0.0
     first_lease_s: float | None = None
+    first_lease_id: int | None = None
     queued: collections.deque = field(default_factory=collections.deque)
     busy: bool = False
     groups: int = 0
@@ -111,6 +112,7 @@ class Swarm:
         self._error: BaseException | None = None
         self._sims: list[_Sim] = []
         self._waits: list[float] = []
+        self._last_lease_id = 0
         self.counters: collections.Counter[str] = collections.Counter()
 
     # -- caller's thread ---------------------------------------------------------------------------------------------
@@ -137,6 +139,17 @@ class Swarm:
         """Seconds from each worker's first HELLO to its first lease (None: none yet)."""
         with self._lock:
             return {s.worker_id: s.first_lease_s for s in self._sims}
+
+    def first_lease_id(self) -> dict[str, int | None]:
+        """The id of each worker's first lease (None: none yet). Lease ids grow with every grant of the pool, so the
+        ids say in which order leases were granted, whatever the threads' timing."""
+        with self._lock:
+            return {s.worker_id: s.first_lease_id for s in self._sims}
+
+    def last_lease_id(self) -> int:
+        """The highest lease id any of these workers received so far (0: none)."""
+        with self._lock:
+            return self._last_lease_id
 
     def take_waits(self) -> list[float]:
         """The credit round trips measured since the last call: seconds from a group sent to the next lease granted."""
@@ -254,6 +267,8 @@ class Swarm:
             with self._lock:
                 if s.first_lease_s is None:
                     s.first_lease_s = now - s.hello_at
+                    s.first_lease_id = min(lease["lease_id"] for lease in leases) if leases else None
+                self._last_lease_id = max([self._last_lease_id, *(lease["lease_id"] for lease in leases)])
                 for _ in leases:
                     if s.freed:
                         self._waits.append(now - s.freed.popleft())
