@@ -81,6 +81,7 @@ from asyncrl import (  # the public surface: every component the recipe picks
     token_logprobs,
 )
 from asyncrl._gc import freeze_import_heap
+from asyncrl.cluster.registry import pool_record, write_pool_record
 from asyncrl.codec import dumps_json
 from asyncrl.config import to_dict
 from asyncrl.data.images import processor_inputs, vision_token_ids
@@ -293,6 +294,11 @@ class GRPORecipe:
         # the one owner of the policy version; publishes the current one: workers start from the trainer's weights
         self.sync = PolicySync(self.model, self.loader, self.broadcaster, version=self.version,
                                mode="lora" if cfg.lora.rank else "full", bucket_bytes=cfg.weights.bucket_bytes)
+        if cfg.cluster.engine != "local":  # launched on a cluster: workers find this pool by its record
+            write_pool_record(self.run_dir, pool_record(
+                rank=self.rank, world_size=self.world, incarnation=self.incarnation,
+                endpoint=self.loader.endpoints[self.rank], transport=to_dict(loader_cfg.transport), worker=to_dict(worker),
+                weights={"type": cfg.weights.type, "address": self.weights_address, "delta": cfg.weights.delta}))
         if self.rank == 0 and not loader_cfg.num_workers:  # remote workers: tell the operator where to point them
             connect = " ".join(f"--connect {e}" for e in self.loader.endpoints)
             print(f"start workers with: asyncrl worker {connect} --set worker.weights.type={cfg.weights.type} "
