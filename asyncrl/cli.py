@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import uuid
 from collections.abc import Sequence
@@ -46,6 +47,9 @@ __all__ = ["main"]
 
 
 def _worker(args: argparse.Namespace) -> None:
+    # SIGTERM drains: the worker leaves as on SHUTDOWN, saying BYE (its pools re-issue its leases at once) after
+    # flushing the groups it finished (a launcher removing a worker on purpose: asyncrl.integrations.ray)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     if args.parent_pid is not None:  # before the heavy imports: a worker starting up must not outlive its parent
         from asyncrl.lifeline import die_with_parent
 
@@ -98,10 +102,17 @@ def _pool_records(args: argparse.Namespace) -> list[dict[str, Any]]:
         return wait_pool_records(args.registry, timeout_s=args.registry_timeout_s)
     if not args.run_name:
         raise SystemExit("asyncrl worker --ray-address needs --run-name (the run directory's name, or cluster.run_name)")
-    from asyncrl.integrations.ray.registry import lookup_records
+    if not args.client_key_file or not args.worker_id:
+        raise SystemExit("asyncrl worker --ray-address needs --client-key-file (its public key is authorized through the "
+                         "registry) and --worker-id")
+    import zmq
 
+    from asyncrl.integrations.ray.registry import lookup_records
+    from asyncrl.transport.zmq import read_curve_keys_file
+
+    public = zmq.curve_public(read_curve_keys_file(args.client_key_file)[0].encode()).decode()
     return lookup_records(args.ray_address, args.run_name, namespace=args.ray_namespace,
-                          timeout_s=args.registry_timeout_s)
+                          timeout_s=args.registry_timeout_s, worker_id=args.worker_id, public_key=public)
 
 
 def _relay(args: argparse.Namespace) -> None:

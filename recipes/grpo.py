@@ -331,6 +331,7 @@ class GRPORecipe:
                     self.save_checkpoint()
                 if cfg.testing.pause_after_step == self.step:
                     time.sleep(3600)
+                time.sleep(cfg.testing.step_delay_s)
                 if self.step >= cfg.train.steps:
                     break
         bar.close()
@@ -400,7 +401,8 @@ class GRPORecipe:
 
     def _log(self, record: dict[str, Any], batch: dict[str, Any]) -> None:
         record["rollouts_per_s"] = len(batch["uids"]) * self.world / max(record["step_s"], 1e-9)
-        self.consumed_file.write(dumps_json({"step": self.step, "group_ids": batch["group_ids"]}) + b"\n")
+        self.consumed_file.write(dumps_json({"step": self.step, "group_ids": batch["group_ids"],
+                                             "workers": sorted(set(batch["worker_ids"]))}) + b"\n")
         self.consumed_file.flush()
         if self.metrics_file is not None:
             record["time"] = time.time()

@@ -19,6 +19,7 @@ then renamed, so the pool never reads half a file.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,10 @@ POOLS = Path("cluster") / "pools"
 REQUIRED = ("rank", "world_size", "incarnation", "endpoint", "server_key", "weights")
 
 
-SECRET_TRANSPORT_KEYS = ("curve_secret_key", "curve_client_secret_key", "curve_client_key_file", "curve_allowed_keys",
-                         "curve_allowed_keys_file", "bind")
-"""Transport settings a record never carries: secrets, the pool's allow-list and its bind address."""
+SECRET_TRANSPORT_KEYS = ("curve_secret_key", "curve_public_key", "curve_client_secret_key", "curve_client_key_file",
+                         "curve_allowed_keys", "curve_allowed_keys_file", "curve_allow_any_client", "bind")
+"""Transport settings a record's ``transport`` never carries: the pool's own keys (its public key is the record's
+``server_key``), the pool's allow-list and its bind address; what remains are the settings both ends share."""
 
 
 def advertise(endpoint: str, host: str | None = None) -> str:
@@ -79,7 +81,7 @@ def pool_record_path(run_dir: str | Path, rank: int) -> Path:
 
 def _atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # writers in threads: one each
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(fd, "wb") as f:
         f.write(data)

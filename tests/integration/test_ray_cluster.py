@@ -1,0 +1,263 @@
+"""Ray as the cluster engine, on a Ray cluster of fake nodes on this machine (``ray.cluster_utils.Cluster``), every
+byte on loopback. One cluster for the module; one run of the recipe in which everything happens in turn, checked at
+the end from the run's own records:
+
+- placement: the two trainer ranks on the two trainer nodes (a gloo gang across them), a worker on every node with the
+  rollout resource;
+- a rollout actor killed (``ray.kill``) mid-run: detected, its key revoked, replaced after a backoff;
+- a node removed (``cluster.remove_node``) and a node added: the run goes on; a worker starts on the new node,
+  authenticates, syncs weights and contributes groups;
+- a worker started outside Ray (``asyncrl worker --ray-address``) joins through the registry and contributes;
+- a trainer rank killed: the gang restarts from the newest checkpoint (``cluster.trainer.max_restarts``);
+- every prompt of every epoch trained exactly once across all of it, within the staleness bound; nothing of the run
+  listens beyond loopback.
+
+Ray's own daemons (GCS, raylets, its core workers) bind every interface in Ray 2.60 whatever the node IP, and so does
+torch.distributed's rendezvous store on rank 0 (``MASTER_PORT``: ``TCPStore`` takes no bind address; the same under
+plain torchrun); the loopback check covers every other socket of asyncrl's processes (the ranks' recipes and the
+workers): the pools, the weight channel, gloo's own connections. The cluster's
+node IP is pinned to 127.0.0.1 (``node_ip_address`` and ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, without which Ray
+resolves 127.0.0.1 to the machine's interface address when connecting).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Ray's children too: 127.0.0.1 is not rewritten to the NIC's
+ray = pytest.importorskip("ray")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from asyncrl.config import load_config  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.ray]
+
+ROOT = Path(__file__).resolve().parents[2]
+NAMESPACE = "asyncrl-test"
+NUM_PROMPTS, BATCH, WORLD, EPOCHS = 32, 2, 2, 3
+STEPS = EPOCHS * NUM_PROMPTS // (BATCH * WORLD)  # exactly three epochs: long enough for every event in turn
+
+
+def _node_args(**resources) -> dict:
+    gpus = resources.pop("num_gpus", 0)
+    cpus = resources.pop("num_cpus", 1)
+    return dict(num_cpus=cpus, num_gpus=gpus, resources=resources, node_ip_address="127.0.0.1",
+                object_store_memory=80 * 1024 * 1024)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray._private.ray_constants as constants
+
+    saved = constants.ENABLE_RAY_CLUSTER
+    constants.ENABLE_RAY_CLUSTER = False  # this process too, whatever imported Ray first
+    c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1, node_ip_address="127.0.0.1",
+                                                          include_dashboard=False,
+                                                          object_store_memory=80 * 1024 * 1024))
+    nodes = {"a": c.add_node(**_node_args(num_cpus=2, num_gpus=2, asyncrl_trainer=1, asyncrl_rollout=1)),
+             "b": c.add_node(**_node_args(num_cpus=2, num_gpus=2, asyncrl_trainer=1, asyncrl_rollout=1)),
+             "c": c.add_node(**_node_args(num_cpus=1, num_gpus=1, asyncrl_rollout=1))}
+    c.wait_for_nodes()
+    ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
+    try:
+        yield c, nodes
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        constants.ENABLE_RAY_CLUSTER = saved
+
+
+def _node_id(node) -> str:
+    return node.node_id
+
+
+def test_actors_land_on_the_nodes_their_resources_say(cluster):
+    c, nodes = cluster
+
+    @ray.remote(num_cpus=0)
+    class Where:
+        def node(self):
+            return ray.get_runtime_context().get_node_id()
+
+    trainer = [Where.options(resources={"asyncrl_trainer": 1}).remote() for _ in range(2)]
+    rollout_only = Where.options(resources={"asyncrl_rollout": 1}, num_gpus=1,
+                                 scheduling_strategy="SPREAD").remote()
+    try:
+        placed = ray.get([a.node.remote() for a in trainer], timeout=60)
+        assert set(placed) == {_node_id(nodes["a"]), _node_id(nodes["b"])}
+        assert ray.get(rollout_only.node.remote(), timeout=60) in {_node_id(n) for n in nodes.values()}
+    finally:
+        for a in [*trainer, rollout_only]:
+            ray.kill(a)
+
+
+def _overrides(run_dir: Path) -> list[str]:
+    """The smallest real run: the tiny model, HF workers, three epochs of 32 prompts over 2 ranks, a checkpoint every
+    2 steps."""
+    return [
+        f"run_dir={run_dir}", f"train.steps={STEPS}", "train.sft_steps=0", "train.threads=1", "checkpoint.every=2",
+        "checkpoint.keep=2", f"data.num_prompts={NUM_PROMPTS}", "rollout.group_size=2", f"rollout.batch_size={BATCH}",
+        "rollout.capacity=8", "rollout.worker.slots=2", "rollout.worker.max_batch=2", "rollout.wait_timeout_s=180",
+        "rollout.transport.heartbeat_s=0.5", "rollout.transport.peer_timeout_s=5", "debug.report=false",
+        "cluster.engine=ray", "cluster.node_ip=127.0.0.1", f"cluster.namespace={NAMESPACE}",
+        "cluster.trainer.nnodes=2", "cluster.trainer.max_restarts=1", "cluster.trainer.restart_backoff_s=0.5",
+        "cluster.fleet.min_workers=2", "cluster.fleet.restart_backoff_s=0.5", "cluster.fleet.poll_s=0.3",
+        "cluster.fleet.drain_timeout_s=10", "testing.step_delay_s=1.5"]
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _wait(cond, timeout_s: float, what: str, check=None):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if check is not None:
+            check()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def _descendants(roots: set[int]) -> set[int]:
+    parent = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    out, frontier = set(), set(roots)
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier} - out
+        out |= frontier
+    return out
+
+
+def _listeners(pids: set[int]) -> list[str]:
+    text = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
+    return [line.split()[3] for line in text.splitlines() if any(f"pid={p}," in line for p in pids)]
+
+
+def test_a_ray_run_survives_kills_node_changes_and_a_rank_restart(cluster, tmp_path):
+    from asyncrl.integrations.ray.supervisor import RaySupervisor, registry_name, run_tree
+
+    c, nodes = cluster
+    run_dir = tmp_path / "run"
+    run_file = str(ROOT / "recipes/configs/tiny_cpu.yaml")
+    cfg = load_config(run_file, _overrides(run_dir))
+    sup = RaySupervisor(cfg, run_tree(run_file, _overrides(run_dir)), recipe=str(ROOT / "recipes/grpo.py"),
+                        pythonpath=[str(ROOT)])
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(_run(sup)), daemon=True)
+    t0 = time.monotonic()
+    thread.start()
+    events = lambda: _read_jsonl(run_dir / "cluster" / "events.jsonl")  # noqa: E731
+    steps = lambda: len(_read_jsonl(run_dir / "metrics.jsonl"))  # noqa: E731
+    consumed_workers = lambda: {w for r in range(WORLD) for rec in _read_jsonl(run_dir / f"consumed-rank{r}.jsonl")  # noqa: E731
+                                for w in rec.get("workers", [])}
+
+    def alive():
+        if result:
+            raise AssertionError(f"the run ended early ({result}); events: {events()[-8:]}; logs in "
+                                 f"{run_dir / 'cluster' / 'logs'}")
+
+    ext = None
+    try:
+        _wait(lambda: steps() >= 1, 240, "the first step", alive)
+        t_first = time.monotonic() - t0
+        # placement: rank r on a trainer node, a worker on each rollout node
+        gang = next(e for e in events() if e["event"] == "gang_started")
+        assert {r["node_id"] for r in gang["ranks"]} == {_node_id(nodes["a"]), _node_id(nodes["b"])}
+        _wait(lambda: {w.node_id for w in sup.workers.values()} >= {_node_id(n) for n in nodes.values()}, 60,
+              "a worker on every rollout node", alive)
+        # nothing of the run (the recipes, the workers) listens beyond loopback
+        actor_pids = {p for e in events() if e["event"] == "worker_started" for p in [e["pid"]]}
+        actor_pids |= {ray.get(r.node.remote())["pid"] for r in sup.gang.ranks}
+        mine = _descendants(actor_pids)
+        assert mine, "no process under the actors"
+        master_port = gang["master"].rsplit(":", 1)[1]
+        listening = [a for a in _listeners(mine) if a.rsplit(":", 1)[1] != master_port]
+        assert listening and all(addr.startswith("127.0.0.1:") for addr in listening), listening
+
+        # 1. a rollout actor killed mid-run: replaced after its key is revoked
+        victim = next(w for w in sup.workers.values() if w.node_id == _node_id(nodes["a"]))
+        ray.kill(victim.actor)
+        _wait(lambda: any(e["event"] == "key_revoked" and e["worker_id"] == victim.worker_id for e in events()), 30,
+              "the victim's key revoked", alive)
+        _wait(lambda: any(e["event"] == "worker_started" and e["node_id"] == _node_id(nodes["a"])
+                          and e["worker_id"] != victim.worker_id for e in events()), 30, "a replacement on a", alive)
+
+        # 2. a node removed, a node added: a worker starts there and contributes
+        c.remove_node(nodes.pop("c"))
+        _wait(lambda: any(e["event"] == "node_removed" for e in events()), 30, "the node's removal seen", alive)
+        t_add = time.monotonic()
+        nodes["d"] = c.add_node(**_node_args(num_cpus=1, num_gpus=1, asyncrl_rollout=1))
+        d_id = _node_id(nodes["d"])
+        _wait(lambda: any(e["event"] == "worker_started" and e["node_id"] == d_id for e in events()), 60,
+              "a worker on the new node", alive)
+        d_worker = next(e["worker_id"] for e in events() if e["event"] == "worker_started" and e["node_id"] == d_id)
+        _wait(lambda: d_worker in consumed_workers(), 120, "a group from the new node trained", alive)
+        add_to_group_s = time.monotonic() - t_add
+
+        # 3. a worker outside Ray joins through the registry
+        key = tmp_path / "ext.key"
+        from asyncrl.transport.zmq import write_curve_key_file
+
+        write_curve_key_file(str(key))
+        ext = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "worker", "--ray-address", c.address,
+                                "--run-name", run_dir.name, "--ray-namespace", NAMESPACE, "--client-key-file", str(key),
+                                "--worker-id", "outside-1", "--registry-timeout-s", "60"],
+                               stdout=open(tmp_path / "ext.log", "wb"), stderr=subprocess.STDOUT,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+        _wait(lambda: "outside-1" in consumed_workers(), 120, "a group from the worker outside Ray", alive)
+        assert registry_name(str(run_dir)) == f"asyncrl-registry-{run_dir.name}"
+
+        # 4. a trainer rank killed: the gang restarts from the newest checkpoint
+        _wait(lambda: (run_dir / "checkpoints" / "latest").exists(), 120, "a checkpoint", alive)
+        killed_at = steps()
+        os.kill(int((run_dir / "pid-rank1").read_text()), signal.SIGKILL)
+        thread.join(300)
+        assert not thread.is_alive(), "the run did not end"
+    finally:
+        if ext is not None and ext.poll() is None:
+            ext.kill()
+            ext.wait()
+        if thread.is_alive():
+            sup.close()
+            thread.join(30)
+    assert result == [0], (result, events()[-10:])
+    assert killed_at < STEPS, "the rank was killed after the last step: the run was too quick for the test"
+    ev = collections.Counter(e["event"] for e in events())
+    assert ev["gang_failed"] == 1 and ev["gang_restarted"] == 1 and ev["gang_started"] == 2, ev
+    assert ev["worker_died"] >= 2 and ev["node_added"] >= 1 and ev["node_removed"] >= 1, ev
+    # every prompt of the epoch trained exactly once, across the kills, the node changes and the restart
+    consumed = [g for r in range(WORLD) for rec in _read_jsonl(run_dir / f"consumed-rank{r}.jsonl")
+                for g in rec["group_ids"]]
+    counts = collections.Counter(consumed)
+    assert sorted(counts) == sorted(f"e{e}-p{i}" for e in range(EPOCHS) for i in range(NUM_PROMPTS)), sorted(counts)
+    assert max(counts.values()) == 1, [g for g, n in counts.items() if n > 1]
+    metrics = _read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    assert max(m["staleness_max"] for m in metrics) <= cfg.rollout.max_staleness
+    print(f"\nray run: first step after {t_first:.1f} s; add_node -> first group from it trained {add_to_group_s:.1f} s;"
+          f" events {dict(ev)}")
+
+
+def _run(sup) -> int:
+    try:
+        return sup.run()
+    except BaseException as e:  # the test thread reports it
+        return e
