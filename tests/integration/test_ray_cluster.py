@@ -16,8 +16,7 @@ Ray's own daemons (GCS, raylets, its core workers) bind every interface in Ray 2
 torch.distributed's rendezvous store on rank 0 (``MASTER_PORT``: ``TCPStore`` takes no bind address; the same under
 plain torchrun); the loopback check covers every other socket of asyncrl's processes (the ranks' recipes and the
 workers): the pools, the weight channel, gloo's own connections. The cluster's
-node IP is pinned to 127.0.0.1 (``node_ip_address`` and ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, without which Ray
-resolves 127.0.0.1 to the machine's interface address when connecting).
+node IP is pinned to 127.0.0.1 (:mod:`asyncrl.integrations.ray.fake`).
 """
 
 from __future__ import annotations
@@ -34,10 +33,7 @@ from pathlib import Path
 
 import pytest
 
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Ray's children too: 127.0.0.1 is not rewritten to the NIC's
 ray = pytest.importorskip("ray")
-
-from ray.cluster_utils import Cluster  # noqa: E402
 
 from asyncrl.config import load_config  # noqa: E402
 
@@ -49,33 +45,14 @@ NUM_PROMPTS, BATCH, WORLD, EPOCHS = 32, 2, 2, 3
 STEPS = EPOCHS * NUM_PROMPTS // (BATCH * WORLD)  # exactly three epochs: long enough for every event in turn
 
 
-def _node_args(**resources) -> dict:
-    gpus = resources.pop("num_gpus", 0)
-    cpus = resources.pop("num_cpus", 1)
-    return dict(num_cpus=cpus, num_gpus=gpus, resources=resources, node_ip_address="127.0.0.1",
-                object_store_memory=80 * 1024 * 1024)
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    import ray._private.ray_constants as constants
+    from asyncrl.integrations.ray.fake import fake_cluster, node_args
 
-    saved = constants.ENABLE_RAY_CLUSTER
-    constants.ENABLE_RAY_CLUSTER = False  # this process too, whatever imported Ray first
-    c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1, node_ip_address="127.0.0.1",
-                                                          include_dashboard=False,
-                                                          object_store_memory=80 * 1024 * 1024))
-    nodes = {"a": c.add_node(**_node_args(num_cpus=2, num_gpus=2, asyncrl_trainer=1, asyncrl_rollout=1)),
-             "b": c.add_node(**_node_args(num_cpus=2, num_gpus=2, asyncrl_trainer=1, asyncrl_rollout=1)),
-             "c": c.add_node(**_node_args(num_cpus=1, num_gpus=1, asyncrl_rollout=1))}
-    c.wait_for_nodes()
-    ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
-    try:
+    with fake_cluster({"a": node_args(2, 2, asyncrl_trainer=1, asyncrl_rollout=1),
+                       "b": node_args(2, 2, asyncrl_trainer=1, asyncrl_rollout=1),
+                       "c": node_args(1, 1, asyncrl_rollout=1)}, namespace=NAMESPACE) as (c, nodes):
         yield c, nodes
-    finally:
-        ray.shutdown()
-        c.shutdown()
-        constants.ENABLE_RAY_CLUSTER = saved
 
 
 def _node_id(node) -> str:
@@ -152,6 +129,7 @@ def _listeners(pids: set[int]) -> list[str]:
 
 
 def test_a_ray_run_survives_kills_node_changes_and_a_rank_restart(cluster, tmp_path):
+    from asyncrl.integrations.ray.fake import node_args
     from asyncrl.integrations.ray.supervisor import RaySupervisor, registry_name, run_tree
 
     c, nodes = cluster
@@ -183,6 +161,11 @@ def test_a_ray_run_survives_kills_node_changes_and_a_rank_restart(cluster, tmp_p
         assert {r["node_id"] for r in gang["ranks"]} == {_node_id(nodes["a"]), _node_id(nodes["b"])}
         _wait(lambda: {w.node_id for w in sup.workers.values()} >= {_node_id(n) for n in nodes.values()}, 60,
               "a worker on every rollout node", alive)
+        # weights by locality: shm through the relay on rank 0's node, zmq (with deltas) from the trainer elsewhere
+        rank0_node = gang["ranks"][0]["node_id"]
+        assert any(e["event"] == "relay_started" and e["node_id"] == rank0_node for e in events())
+        paths = {e["node_id"]: e["weights"] for e in events() if e["event"] == "worker_started"}
+        assert paths[rank0_node] == "shm" and {p for n, p in paths.items() if n != rank0_node} == {"zmq"}, paths
         # nothing of the run (the recipes, the workers) listens beyond loopback
         actor_pids = {p for e in events() if e["event"] == "worker_started" for p in [e["pid"]]}
         actor_pids |= {ray.get(r.node.remote())["pid"] for r in sup.gang.ranks}
@@ -204,7 +187,7 @@ def test_a_ray_run_survives_kills_node_changes_and_a_rank_restart(cluster, tmp_p
         c.remove_node(nodes.pop("c"))
         _wait(lambda: any(e["event"] == "node_removed" for e in events()), 30, "the node's removal seen", alive)
         t_add = time.monotonic()
-        nodes["d"] = c.add_node(**_node_args(num_cpus=1, num_gpus=1, asyncrl_rollout=1))
+        nodes["d"] = c.add_node(**node_args(1, 1, asyncrl_rollout=1))
         d_id = _node_id(nodes["d"])
         _wait(lambda: any(e["event"] == "worker_started" and e["node_id"] == d_id for e in events()), 60,
               "a worker on the new node", alive)
@@ -252,6 +235,21 @@ def test_a_ray_run_survives_kills_node_changes_and_a_rank_restart(cluster, tmp_p
     metrics = _read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     assert max(m["staleness_max"] for m in metrics) <= cfg.rollout.max_staleness
+    trained_by = collections.Counter(e["node_id"] for e in events() if e["event"] == "worker_started"
+                                     and e["worker_id"] in consumed_workers())
+    assert trained_by[rank0_node] >= 1 and len(trained_by) >= 3, trained_by  # shm and zmq workers both trained
+    # the shm workers took their versions from the relay (no byte from the broadcaster), the others over zmq
+    path_of = {e["worker_id"]: e["weights"] for e in events() if e["event"] == "worker_started"}
+    zmq_bytes: dict[str, int] = collections.defaultdict(int)
+    versions: dict[str, int] = collections.defaultdict(int)
+    for m in metrics:
+        for w, st in m["pipeline"]["workers"].items():
+            zmq_bytes[w] = max(zmq_bytes[w], st.get("weight_full_bytes", 0) + st.get("weight_delta_bytes", 0))
+            versions[w] = max(versions[w], st.get("policy_version", 0))
+    shm = [w for w in zmq_bytes if path_of.get(w) == "shm" and versions[w] >= 1]
+    over_zmq = [w for w in zmq_bytes if path_of.get(w) == "zmq" and versions[w] >= 1]
+    assert shm and all(zmq_bytes[w] == 0 for w in shm), {w: zmq_bytes[w] for w in shm}
+    assert over_zmq and all(zmq_bytes[w] > 0 for w in over_zmq), {w: zmq_bytes[w] for w in over_zmq}
     print(f"\nray run: first step after {t_first:.1f} s; add_node -> first group from it trained {add_to_group_s:.1f} s;"
           f" events {dict(ev)}")
 

@@ -135,7 +135,31 @@ class TrainerRank:
         return rec if rec.get("written", 0) >= self.started - 1 and rec.get("pid") == getattr(self.proc, "pid", None) else None
 
     def stop(self, timeout_s: float = 10.0) -> int | None:
+        if getattr(self, "_relay_stop", None) is not None:
+            self._relay_stop.set()
         return _stop(self.proc, timeout_s)
+
+    def relay_key(self) -> str:
+        """A key pair for this node's weight relay, made here; its public key (the supervisor authorizes it)."""
+        from asyncrl.transport.zmq import generate_curve_keys
+
+        public, self._relay_secret = generate_curve_keys()
+        return public
+
+    def start_relay(self, connect: str, server_key: str, directory: str, delta: bool) -> str:
+        """Weights by locality: this node's relay (:mod:`asyncrl.weights.relay`), in a thread of this actor, fetches
+        each version once from the broadcaster over zmq and serves it in shared memory under ``directory`` to the
+        workers placed on this node; it ends with the actor. Returns ``directory``."""
+        from asyncrl.config import RelayConfig, TransportConfig
+        from workers.relay import run_relay
+
+        cfg = RelayConfig(connect=connect, directory=directory, serve="shm", delta=delta)
+        transport = TransportConfig(curve_client_secret_key=self._relay_secret)
+        self._relay_stop = threading.Event()
+        threading.Thread(target=run_relay, args=(cfg, transport), daemon=True, name="asyncrl-relay",
+                         kwargs={"relay_id": f"relay-rank{self.rank}", "server_key": server_key,
+                                 "stop": self._relay_stop}).start()
+        return directory
 
 
 class RolloutWorker:

@@ -70,6 +70,8 @@ class _Gang:
     slots: list[Any]
     records: list[dict[str, Any]] | None = None
     done: set[int] = field(default_factory=set)
+    relay: str | None = None
+    """The shm directory of the weight relay on rank 0's node (``cluster.fleet.weights: auto``)."""
 
 
 class RaySupervisor:
@@ -160,6 +162,13 @@ class RaySupervisor:
             gang.records = records
             ray.get(self.registry.put_records.remote(records))
             self.event("pools_ready", endpoints=[r["endpoint"] for r in records])
+            if self.fleet_cfg.weights in ("auto", "shm"):  # weights by locality: a relay on rank 0's node serves it shm
+                rank0 = gang.ranks[0]
+                self._authorize("relay", ray.get(rank0.relay_key.remote()))
+                gang.relay = ray.get(rank0.start_relay.remote(
+                    records[0]["weights"]["address"], records[0]["server_key"],
+                    f"/dev/shm/asyncrl-relay-{Path(self.run_dir).name}-{self.attempt}", records[0]["weights"]["delta"]))
+                self.event("relay_started", node_id=gang.slots[0].node_id, directory=gang.relay)
 
     def _stop_gang(self, reason: str) -> None:
         gang, self.gang = self.gang, None
@@ -173,6 +182,7 @@ class RaySupervisor:
                 pass
             ray.kill(actor, no_restart=True)
         remove_placement_group(gang.pg)
+        self._revoke("relay")
         self.event("gang_stopped", reason=reason)
 
     # -- the fleet -----------------------------------------------------------------------------------------------
@@ -222,8 +232,7 @@ class RaySupervisor:
             self.event("worker_not_placed", worker_id=worker_id, node_id=node, error=f"{type(e).__name__}: {e}"[:300])
             return
         self._authorize(worker_id, info["public_key"])  # before it connects: its first handshake is admitted
-        rank0_node = gang.slots[0].node_id
-        path = weight_path(node, rank0_node, fleet.weights if fleet.weights != "auto" else "zmq")
+        path = weight_path(node, gang.slots[0].node_id, fleet.weights)
         worker = _Worker(worker_id=worker_id, node_id=node, actor=actor, public_key=info["public_key"], weights=path)
         worker.ref = actor.run.remote(gang.records, self._worker_sets(worker),
                                       str(self.logs / f"{worker_id}.log"))
@@ -231,6 +240,11 @@ class RaySupervisor:
         self.event("worker_started", worker_id=worker_id, node_id=node, pid=info["pid"], weights=path)
 
     def _worker_sets(self, worker: _Worker) -> list[str]:
+        """The worker's weight path, chosen for it: on rank 0's node the relay's shared memory (the broadcaster's zmq
+        stays its fallback while the relay is down); elsewhere zmq with deltas straight from the broadcaster."""
+        gang = self.gang
+        if worker.weights == "shm" and gang is not None and gang.relay is not None:
+            return [f"worker.weights.relay={gang.relay}"]
         return []
 
     def _authorize(self, worker_id: str, key: str) -> None:
