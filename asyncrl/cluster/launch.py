@@ -34,8 +34,10 @@ def default_recipe() -> str:
 
 
 def local_command(run_file: str | None, overrides: list[str], *, ranks: int, recipe: str) -> list[str]:
-    """The ``torchrun`` command of a local run."""
-    return ["torchrun", "--standalone", f"--nproc-per-node={ranks}", recipe,
+    """The ``torchrun`` command of a local run (``python -m torch.distributed.run`` where no ``torchrun`` is on
+    ``PATH``: a virtual environment not activated)."""
+    torchrun = ["torchrun"] if shutil.which("torchrun") else [sys.executable, "-m", "torch.distributed.run"]
+    return [*torchrun, "--standalone", f"--nproc-per-node={ranks}", recipe,
             *(["--config", run_file] if run_file else []), *overrides]
 
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from asyncrl.config.cluster import FleetConfig, GangConfig
 
-__all__ = ["PlacedBundle", "RankSlot", "assign_ranks", "backoff_s", "fleet_target", "gang_bundles", "node_capacity",
+__all__ = ["PlacedBundle", "RankSlot", "assign_ranks", "backoff_s", "fleet_target", "free_resources", "gang_bundles",
+           "node_capacity",
            "torchrun_env", "weight_path", "worker_resources"]
 
 
@@ -119,6 +120,16 @@ def node_capacity(available: dict[str, float], fleet: FleetConfig) -> int:
     need = worker_resources(fleet)
     fits = [int(available.get(k, 0.0) // v) for k, v in need.items() if v > 0]
     return min([fleet.workers_per_node, *fits])
+
+
+def free_resources(total: dict[str, float], reserved: list[dict[str, float]]) -> dict[str, float]:
+    """A node's ``total`` resources less what ``reserved`` bundles (the trainer's, placed there) hold: what the
+    fleet may use on that node."""
+    free = dict(total)
+    for bundle in reserved:
+        for k, v in bundle.items():
+            free[k] = free.get(k, 0.0) - v
+    return free
 
 
 def fleet_target(capacity: dict[str, int], fleet: FleetConfig) -> dict[str, int]:

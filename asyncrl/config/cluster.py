@@ -71,8 +71,10 @@ class FleetConfig:
     """The rollout workers: one Ray actor per worker, each running ``asyncrl worker`` against every rank's pool."""
 
     min_workers: int = 1
-    """Below this many serving workers the run pauses (the pools grant nothing nobody holds) and the supervisor keeps
-    trying to place more; it is the count the supervisor restores after a death."""
+    """The fleet's floor: while fewer workers live (deaths, a node removed) the supervisor says so (``fleet_below_min``
+    in ``RUN_DIR/cluster/events.jsonl``, then ``fleet_restored``) and keeps placing workers wherever resources allow.
+    The run itself goes on with the workers it has, slower, and stops generating only with none at all (the pools
+    grant leases to the workers they have; the trainer waits up to ``rollout.wait_timeout_s``)."""
     max_workers: int | None = None
     """Most workers at once; None: as many as the nodes with rollout resources hold (``workers_per_node`` each)."""
     workers_per_node: int = 1
@@ -94,6 +96,10 @@ class FleetConfig:
     """Which weight path each worker takes. ``auto``: by locality, chosen per worker: a worker on rank 0's node
     reads shared memory from a node relay there, every other worker takes ``zmq`` with deltas from the trainer;
     ``zmq``: every worker from the trainer over zmq; ``shm``: only for a fleet entirely on rank 0's node."""
+    delta: bool = True
+    """Workers that take ``zmq`` get each version as a delta against the one they hold (``weights.delta``: fewer
+    bytes on a network, more CPU at both ends). False: full versions (machines whose link is faster than their
+    CPUs, e.g. fake nodes on one host)."""
     poll_s: float = 0.5
     """How often the supervisor looks at the cluster's nodes (joins, removals) besides the actors' deaths."""
 

@@ -10,7 +10,9 @@ the end from the run's own records:
 - a worker started outside Ray (``asyncrl worker --ray-address``) joins through the registry and contributes;
 - a trainer rank killed: the gang restarts from the newest checkpoint (``cluster.trainer.max_restarts``);
 - every prompt of every epoch trained exactly once across all of it, within the staleness bound; nothing of the run
-  listens beyond loopback.
+  listens beyond loopback;
+
+and, apart, ``asyncrl launch --engine ray`` killed mid-run leaves no rank training.
 
 Ray's own daemons (GCS, raylets, its core workers) bind every interface in Ray 2.60 whatever the node IP, and so does
 torch.distributed's rendezvous store on rank 0 (``MASTER_PORT``: ``TCPStore`` takes no bind address; the same under
@@ -259,3 +261,34 @@ def _run(sup) -> int:
         return sup.run()
     except BaseException as e:  # the test thread reports it
         return e
+
+
+def test_a_killed_launcher_leaves_no_rank_training(cluster, tmp_path):
+    """``asyncrl launch --engine ray`` SIGKILLed mid-run: Ray ends the actors it owned and each rank's recipe exits with
+    its actor (asyncrl.lifeline): one trainer per run holds on a cluster too."""
+    c, _ = cluster
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.cli", "launch", "--config", str(ROOT / "recipes/configs/tiny_cpu.yaml"),
+         "--recipe", str(ROOT / "recipes/grpo.py"), *_overrides(run_dir), f"cluster.address={c.address}",
+         "train.steps=1000", "testing.step_delay_s=0.2"],
+        stdout=open(tmp_path / "launch.log", "wb"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        _wait(lambda: len(_read_jsonl(run_dir / "metrics.jsonl")) >= 1, 180, "the first step",
+              lambda: launcher.poll() is None or pytest.fail((tmp_path / "launch.log").read_text()[-3000:]))
+        pids = [int((run_dir / f"pid-rank{r}").read_text()) for r in range(WORLD)]
+        launcher.kill()
+        launcher.wait()
+        _wait(lambda: not any(Path(f"/proc/{p}").exists() and "zombie" not in _state(p) for p in pids), 60,
+              "every rank gone after its launcher")
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:", 1)[1].split("\n", 1)[0]
+    except (OSError, IndexError):
+        return "zombie"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,8 +35,8 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from asyncrl.cluster.placement import (PlacedBundle, assign_ranks, backoff_s, fleet_target, gang_bundles,
-                                       node_capacity, torchrun_env, weight_path, worker_resources)
+from asyncrl.cluster.placement import (PlacedBundle, assign_ranks, backoff_s, fleet_target, free_resources,
+                                       gang_bundles, node_capacity, torchrun_env, weight_path, worker_resources)
 from asyncrl.codec import dumps_json
 from asyncrl.config import RecipeConfig, apply_overrides
 from asyncrl.integrations.ray.actors import RegistryActor, RolloutWorkerActor, TrainerRankActor
@@ -99,6 +100,8 @@ class RaySupervisor:
             ray.kill(ray.get_actor(registry_name(self.run_dir)), no_restart=True)
         except ValueError:
             pass
+        self._stop_requested = threading.Event()
+        self._below_min: bool | None = None
         self.registry = RegistryActor.options(name=registry_name(self.run_dir), num_cpus=0).remote()
         self._next_scan = 0.0
 
@@ -146,7 +149,7 @@ class RaySupervisor:
         tree = yaml.safe_load(yaml.safe_dump(self.tree))  # a deep copy of plain data
         apply_overrides(tree, ["cluster.engine=ray", "rollout.num_workers=0", f"run_dir={self.run_dir}",
                                f"rollout.transport.bind=tcp://{host}:0", "weights.type=zmq",
-                               f"weights.bind=tcp://{host}:0", "weights.delta=true"])
+                               f"weights.bind=tcp://{host}:0", f"weights.delta={str(self.fleet_cfg.delta).lower()}"])
         # set, not overridden: Z85 keys hold characters YAML would read as syntax
         tree["rollout"].setdefault("transport", {}).update(curve_public_key=self.pool_public,
                                                            curve_secret_key=self.pool_secret)
@@ -203,7 +206,17 @@ class RaySupervisor:
         gang = self.gang
         if gang is None or gang.records is None or self.stopping:
             return
-        capacity = {n: node_capacity(info["Resources"], self.fleet_cfg) for n, info in self.nodes.items()}
+        bundle = gang_bundles(self.gang_cfg)[0]  # what each trainer rank holds on its node
+        live = sum(not w.draining for w in self.workers.values())
+        below = live < self.fleet_cfg.min_workers
+        if self._below_min is None:  # starting: said only once the fleet first reached min_workers
+            self._below_min: bool | None = None if not below else None
+        elif below != self._below_min:
+            self._below_min = below
+            self.event("fleet_below_min" if below else "fleet_restored", workers=live,
+                       min_workers=self.fleet_cfg.min_workers)
+        capacity = {n: node_capacity(free_resources(info["Resources"], [bundle for s in gang.slots if s.node_id == n]),
+                                     self.fleet_cfg) for n, info in self.nodes.items()}
         target = fleet_target(capacity, self.fleet_cfg)
         now = time.monotonic()
         for node, want in target.items():
@@ -317,11 +330,22 @@ class RaySupervisor:
         gang.done.add(index)
         return False
 
+    def request_stop(self) -> None:
+        """Ends :meth:`run` at its next look (within ``poll_s``): the fleet and the gang are stopped, and it returns
+        130 (an interrupted launch)."""
+        self._stop_requested.set()
+
     def run(self) -> int:
         self._scan_nodes()
         self._start_gang()
         poll = self.fleet_cfg.poll_s
         while True:
+            if self._stop_requested.is_set():
+                self.stopping = True
+                self._stop_fleet("stop_requested")
+                self._stop_gang("stop_requested")
+                self.event("run_stopped")
+                return 130
             gang = self.gang
             assert gang is not None
             pending = [r for i, r in enumerate(gang.refs) if i not in gang.done]

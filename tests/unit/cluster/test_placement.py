@@ -9,6 +9,7 @@ from asyncrl.cluster.placement import (
     assign_ranks,
     backoff_s,
     fleet_target,
+    free_resources,
     gang_bundles,
     node_capacity,
     torchrun_env,
@@ -65,6 +66,15 @@ def test_fleet_capacity_and_target():
     assert fleet_target({"b": 2, "a": 2, "c": 0}, fleet) == {"a": 2, "b": 2, "c": 0}
     capped = FleetConfig(workers_per_node=2, max_workers=3)
     assert fleet_target({"b": 2, "a": 2}, capped) == {"a": 2, "b": 1}
+
+
+def test_the_trainer_s_bundles_are_not_the_fleet_s():
+    fleet = FleetConfig(workers_per_node=2)
+    gang = gang_bundles(GangConfig(gpus_per_rank=1))
+    total = {"CPU": 2, "GPU": 2, "asyncrl_trainer": 1, "asyncrl_rollout": 2}
+    assert node_capacity(total, fleet) == 2
+    assert free_resources(total, gang) == {"CPU": 1, "GPU": 1, "asyncrl_trainer": 0, "asyncrl_rollout": 2}
+    assert node_capacity(free_resources(total, gang), fleet) == 1  # one GPU left beside the rank
 
 
 def test_weight_path_by_locality():
