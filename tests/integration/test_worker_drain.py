@@ -36,7 +36,7 @@ def test_sigterm_drains_a_worker_without_waiting_for_its_timeout():
             it = iter(loader)
             groups = list(next(it)["group_ids"])
             deadline = time.monotonic() + 20
-            while not loader.stats()["transport"]["workers"].get("leaving", {}).get("leases", 0):
+            while not loader.stats()["transport"]["workers"].get("leaving", {}).get("groups", 0):  # it serves
                 assert time.monotonic() < deadline, loader.stats()["transport"]["workers"]
                 time.sleep(0.02)
             t0 = time.monotonic()
