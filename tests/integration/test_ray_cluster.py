@@ -8,6 +8,7 @@ the end from the run's own records:
 - a node removed (``cluster.remove_node``) and a node added: the run goes on; a worker starts on the new node,
   authenticates, syncs weights and contributes groups;
 - a worker started outside Ray (``asyncrl worker --ray-address``) joins through the registry and contributes;
+- the new node drained on purpose: its worker leaves cleanly (BYE, exit 0) and nothing is placed there again;
 - a trainer rank killed: the gang restarts from the newest checkpoint (``cluster.trainer.max_restarts``);
 - every prompt of every epoch trained exactly once across all of it, within the staleness bound; nothing of the run
   listens beyond loopback;
@@ -210,7 +211,14 @@ def test_a_ray_run_survives_kills_node_changes_and_a_rank_restart(cluster, tmp_p
         _wait(lambda: "outside-1" in consumed_workers(), 120, "a group from the worker outside Ray", alive)
         assert registry_name(str(run_dir)) == f"asyncrl-registry-{run_dir.name}"
 
-        # 4. a trainer rank killed: the gang restarts from the newest checkpoint
+        # 4. the new node drained on purpose: its worker finishes, says BYE and leaves (exit 0), none replaces it
+        sup.drain_node(d_id)
+        _wait(lambda: any(e["event"] == "worker_left" and e["worker_id"] == d_worker for e in events()), 60,
+              "the drained worker gone", alive)
+        left = next(e for e in events() if e["event"] == "worker_left" and e["worker_id"] == d_worker)
+        assert left["detail"] == "exit 0", left
+
+        # 5. a trainer rank killed: the gang restarts from the newest checkpoint
         _wait(lambda: (run_dir / "checkpoints" / "latest").exists(), 120, "a checkpoint", alive)
         killed_at = steps()
         os.kill(int((run_dir / "pid-rank1").read_text()), signal.SIGKILL)
@@ -228,6 +236,8 @@ def test_a_ray_run_survives_kills_node_changes_and_a_rank_restart(cluster, tmp_p
     ev = collections.Counter(e["event"] for e in events())
     assert ev["gang_failed"] == 1 and ev["gang_restarted"] == 1 and ev["gang_started"] == 2, ev
     assert ev["worker_died"] >= 2 and ev["node_added"] >= 1 and ev["node_removed"] >= 1, ev
+    assert ev["worker_draining"] == 1 and not any(e["event"] == "worker_started" and e["node_id"] == d_id
+                                                  and e["worker_id"] != d_worker for e in events())
     # every prompt of the epoch trained exactly once, across the kills, the node changes and the restart
     consumed = [g for r in range(WORLD) for rec in _read_jsonl(run_dir / f"consumed-rank{r}.jsonl")
                 for g in rec["group_ids"]]

@@ -101,6 +101,8 @@ class RaySupervisor:
         except ValueError:
             pass
         self._stop_requested = threading.Event()
+        self.cordoned: set[str] = set()
+        """Nodes drained on purpose (:meth:`drain_node`): no worker is placed there any more."""
         self._below_min: bool | None = None
         self.registry = RegistryActor.options(name=registry_name(self.run_dir), num_cpus=0).remote()
         self._next_scan = 0.0
@@ -215,8 +217,9 @@ class RaySupervisor:
             self._below_min = below
             self.event("fleet_below_min" if below else "fleet_restored", workers=live,
                        min_workers=self.fleet_cfg.min_workers)
-        capacity = {n: node_capacity(free_resources(info["Resources"], [bundle for s in gang.slots if s.node_id == n]),
-                                     self.fleet_cfg) for n, info in self.nodes.items()}
+        capacity = {n: 0 if n in self.cordoned else node_capacity(
+            free_resources(info["Resources"], [bundle for s in gang.slots if s.node_id == n]), self.fleet_cfg)
+            for n, info in self.nodes.items()}
         target = fleet_target(capacity, self.fleet_cfg)
         now = time.monotonic()
         for node, want in target.items():
@@ -225,7 +228,7 @@ class RaySupervisor:
                 self._start_worker(node)
                 return  # one at a time: the next loop iteration places the next
             for extra in have[want:]:
-                self._drain(extra, "scale_down")
+                self._drain(extra, "node_drained" if node in self.cordoned else "scale_down")
 
     def _start_worker(self, node: str) -> None:
         fleet, gang = self.fleet_cfg, self.gang
@@ -288,8 +291,7 @@ class RaySupervisor:
             died, detail = True, f"{type(e).__name__}"
         del self.workers[worker.worker_id]
         self._revoke(worker.worker_id)  # refused from now on, whatever it still sends
-        if not worker.draining:
-            ray.kill(worker.actor, no_restart=True)
+        ray.kill(worker.actor, no_restart=True)  # its process ended: the actor's resources go back to the node
         if worker.draining or self.stopping:
             self.event("worker_left", worker_id=worker.worker_id, detail=detail)
             return
@@ -329,6 +331,11 @@ class RaySupervisor:
             return True
         gang.done.add(index)
         return False
+
+    def drain_node(self, node_id: str) -> None:
+        """Takes a node out of the fleet on purpose (before maintenance, a scale-down): its workers drain (finish or
+        hand back their leases, say BYE) and none is placed there again. Any thread; acted on within ``poll_s``."""
+        self.cordoned.add(node_id)
 
     def request_stop(self) -> None:
         """Ends :meth:`run` at its next look (within ``poll_s``): the fleet and the gang are stopped, and it returns
