@@ -403,6 +403,13 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
     def _handle(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
         identity = frames[0].bytes
         self._count("requests")
+        if self._allowed is not None:  # a key revoked since its handshake: refused from then on, as by the pool
+            self._allowed.refresh()  # a stat per request (a few per version and receiver)
+            if not self._allowed.admits(frames[-1].get("User-Id")):
+                self._count("curve_key_revoked_messages")
+                with self._lock:
+                    self._peers.pop(identity, None)
+                return
         try:
             kind, body = decode(frames[1:], max_message_bytes=MAX_REQUEST_BYTES)
             P.check_message(kind, body, P.RECEIVER_KINDS)

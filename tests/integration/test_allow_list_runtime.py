@@ -146,3 +146,35 @@ def test_watched_file_authorizes_and_revokes(tmp_path, pool_keys):
         b.sock.close(linger=0)
         receiver.close()
         ctx.term()
+
+
+def test_the_weight_channel_refuses_a_revoked_key_from_then_on(tmp_path, pool_keys):
+    """The zmq weight broadcaster reads the same watched allow-list: a receiver whose key left it gets no further
+    version (its requests refused and counted), a listed one goes on."""
+    import torch
+
+    from asyncrl.weights import ZmqWeightBroadcaster, ZmqWeightReceiver
+
+    public, secret = pool_keys
+    keys_file = tmp_path / "allowed"
+    (a_public, a_secret), (b_public, b_secret) = generate_curve_keys(), generate_curve_keys()
+    write_allow_list(keys_file, [a_public, b_public])
+    broadcaster = ZmqWeightBroadcaster("tcp://127.0.0.1:0", security=TransportConfig(
+        curve_secret_key=secret, curve_public_key=public, curve_allowed_keys_file=str(keys_file)))
+    receivers = [ZmqWeightReceiver(broadcaster.address, receiver_id=name, server_key=public, timeout_s=5.0,
+                                   security=TransportConfig(curve_client_secret_key=key))
+                 for name, key in (("a", a_secret), ("b", b_secret))]
+    try:
+        broadcaster.publish({"w": torch.zeros(64)}, 1)
+        for r in receivers:
+            r.start()
+            assert r.wait(1, 10) is not None
+        write_allow_list(keys_file, [b_public])  # a died: revoked
+        broadcaster.publish({"w": torch.ones(64)}, 2)
+        assert receivers[1].wait(2, 10) is not None
+        assert receivers[0].wait(2, 3) is None
+        assert broadcaster.stats().get("curve_key_revoked_messages", 0) >= 1, broadcaster.stats()
+    finally:
+        for r in receivers:
+            r.close()
+        broadcaster.close()
