@@ -302,3 +302,13 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/status").read_text().split("State:", 1)[1].split("\n", 1)[0]
     except (OSError, IndexError):
         return "zombie"
+
+
+def test_launch_dry_run_prints_the_ray_plan(capsys):
+    from asyncrl.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["launch", "--config", str(ROOT / "recipes/configs/tiny_cpu.yaml"), "--engine", "ray", "--dry-run",
+              "cluster.trainer.nnodes=2", "cluster.trainer.ranks_per_node=4", "cluster.fleet.max_workers=6"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "placement group of 8 bundles" in out and "max 6" in out, out
