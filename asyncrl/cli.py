@@ -101,7 +101,7 @@ def _pool_records(args: argparse.Namespace) -> list[dict[str, Any]]:
 
         return wait_pool_records(args.registry, timeout_s=args.registry_timeout_s)
     if not args.run_name:
-        raise SystemExit("asyncrl worker --ray-address needs --run-name (the run directory's name, or cluster.run_name)")
+        raise SystemExit("asyncrl worker --ray-address needs --run-name (the name of the run directory)")
     if not args.client_key_file or not args.worker_id:
         raise SystemExit("asyncrl worker --ray-address needs --client-key-file (its public key is authorized through the "
                          "registry) and --worker-id")

@@ -167,7 +167,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
         check_bind_address(config)
         self._lock = threading.Lock()
         self._counters: collections.Counter[str] = collections.Counter()
-        self.allow_list = AllowList.from_config(config, count=self._count_unlocked)
+        self.allow_list = AllowList.from_config(config, count=self._count)
         """The worker keys admitted (CURVE): :meth:`authorize` / :meth:`revoke` change it while the pool runs."""
         listed = config.curve_allowed_keys or config.curve_allowed_keys_file is not None
         if config.curve_secret_key is not None and not listed and not config.curve_allow_any_client:
@@ -189,7 +189,6 @@ class ZmqRolloutReceiver(RolloutReceiver):
         self._shutdown_workers = True
         self._endpoint: str | None = None
         self._start_error: BaseException | None = None
-        self._counters: collections.Counter[str] = collections.Counter()
         self._recent_errors: collections.deque[tuple[str, str]] = collections.deque(maxlen=32)
         self._rejected = RejectedRollouts()  # for the debugger
         self._throttle = Throttle(logger)  # repeated warnings (a prompt failing on every worker)
@@ -252,9 +251,6 @@ class ZmqRolloutReceiver(RolloutReceiver):
     def _count(self, key: str, n: int = 1) -> None:
         with self._lock:
             self._counters[key] += n
-
-    def _count_unlocked(self, key: str) -> None:  # the allow-list's counter (its own thread or the I/O thread)
-        self._count(key)
 
     def _bad(self, identity: bytes, error: DecodeError) -> None:
         with self._lock:
