@@ -129,7 +129,9 @@ class RaySupervisor:
         ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
         table = placement_group_table(pg)["bundles_to_node_id"]
         slots = assign_ranks([PlacedBundle(int(i), node, ips.get(node, "")) for i, node in table.items()])
-        ranks = [TrainerRankActor.options(
+        # from here the gang is ours to stop, whatever fails while it starts
+        self.gang = _Gang(pg=pg, ranks=[], refs=[], slots=slots)
+        self.gang.ranks = ranks = [TrainerRankActor.options(
             num_cpus=gang.cpus_per_rank, num_gpus=gang.gpus_per_rank, resources=dict(gang.resources),
             max_concurrency=4, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=s.bundle_index)).remote(s.rank) for s in slots]
@@ -137,12 +139,10 @@ class RaySupervisor:
         port = ray.get(ranks[0].free_port.remote(master))
         ray.get([r.set_allow_list.remote(sorted(self.keys.values())) for r in ranks])
         self.attempt += 1
-        refs = []
         for slot, actor in zip(slots, ranks):
             ray.get(actor.start.remote(self._rank_tree(slot), torchrun_env(slot, master, port), self.recipe,
                                        str(self.logs / f"rank{slot.rank}.attempt{self.attempt}.log"), self.pythonpath))
-            refs.append(actor.wait.remote())
-        self.gang = _Gang(pg=pg, ranks=ranks, refs=refs, slots=slots)
+            self.gang.refs.append(actor.wait.remote())
         self.event("gang_started", attempt=self.attempt, master=f"{master}:{port}",
                    ranks=[{"rank": s.rank, "node_id": s.node_id, "node_ip": s.node_ip} for s in slots])
 
@@ -343,6 +343,15 @@ class RaySupervisor:
         self._stop_requested.set()
 
     def run(self) -> int:
+        """Supervises the run until the trainer ends; returns its exit status (0, 1 after ``max_restarts``, 130 on
+        :meth:`request_stop`). On an error of its own, everything it started is stopped before it propagates."""
+        try:
+            return self._run()
+        except BaseException:
+            self.close()
+            raise
+
+    def _run(self) -> int:
         self._scan_nodes()
         self._start_gang()
         poll = self.fleet_cfg.poll_s
@@ -396,11 +405,15 @@ class RaySupervisor:
                 self._reconcile()
 
     def close(self) -> None:
-        """Stops whatever still runs (an interrupted launch)."""
+        """Stops whatever still runs (an interrupted launch, an error); each step on its own, so one failing (an actor
+        already gone) does not keep the others from running."""
         self.stopping = True
-        self._stop_fleet("closed")
-        self._stop_gang("closed")
-        ray.kill(self.registry, no_restart=True)
+        for step in (lambda: self._stop_fleet("closed"), lambda: self._stop_gang("closed"),
+                     lambda: ray.kill(self.registry, no_restart=True)):
+            try:
+                step()
+            except Exception as e:  # deliberate: the error that brought us here is the one to report
+                logger.warning("while closing the Ray run: %s: %s", type(e).__name__, e)
 
 
 def run_tree(run_file: str | None, overrides: list[str]) -> dict[str, Any]:
@@ -422,10 +435,7 @@ def launch(cfg: RecipeConfig, *, run_file: str | None, overrides: list[str], rec
     pythonpath = [os.getcwd(), *([str(Path(run_file).resolve().parent)] if run_file else [])]
     supervisor = RaySupervisor(cfg, run_tree(run_file, overrides), recipe=recipe, pythonpath=pythonpath)
     try:
-        return supervisor.run()
-    except BaseException:
-        supervisor.close()
-        raise
+        return supervisor.run()  # stops what it started if it fails
     finally:
         if supervisor.gang is None and not supervisor.workers:
             try:
