@@ -104,8 +104,27 @@ class RaySupervisor:
         self.cordoned: set[str] = set()
         """Nodes drained on purpose (:meth:`drain_node`): no worker is placed there any more."""
         self._below_min: bool | None = None
-        self.registry = RegistryActor.options(name=registry_name(self.run_dir), num_cpus=0).remote()
+        self.registry = self._new_registry()
         self._next_scan = 0.0
+
+    # -- the registry --------------------------------------------------------------------------------------------
+    def _new_registry(self) -> Any:
+        """The run's named registry, on the driver's own node: it lives and dies with the driver, never with a
+        worker node that is removed."""
+        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+        return RegistryActor.options(name=registry_name(self.run_dir), num_cpus=0, scheduling_strategy=here).remote()
+
+    def _registry(self, method: str, *args: Any) -> Any:
+        """Calls the registry; one that died (its node lost all the same) is made again, with the current records."""
+        try:
+            return ray.get(getattr(self.registry, method).remote(*args))
+        except RayActorError:
+            self.event("registry_restarted")
+            self.registry = self._new_registry()
+            gang = self.gang
+            if gang is not None and gang.records is not None and method != "put_records":
+                ray.get(self.registry.put_records.remote(gang.records))
+            return ray.get(getattr(self.registry, method).remote(*args))
 
     # -- events --------------------------------------------------------------------------------------------------
     def event(self, kind: str, **fields: Any) -> None:
@@ -165,7 +184,7 @@ class RaySupervisor:
         records = ray.get([r.record.remote(self.run_dir) for r in gang.ranks])
         if all(r is not None for r in records):
             gang.records = records
-            ray.get(self.registry.put_records.remote(records))
+            self._registry("put_records", records)
             self.event("pools_ready", endpoints=[r["endpoint"] for r in records])
             if self.fleet_cfg.weights in ("auto", "shm"):  # weights by locality: a relay on rank 0's node serves it shm
                 rank0 = gang.ranks[0]
@@ -179,7 +198,10 @@ class RaySupervisor:
         gang, self.gang = self.gang, None
         if gang is None:
             return
-        ray.get(self.registry.put_records.remote(None))
+        try:
+            self._registry("put_records", None)
+        except Exception as e:  # deliberate: the gang must be stopped whatever the registry says
+            logger.warning("registry: %s: %s", type(e).__name__, e)
         for actor in gang.ranks:  # SIGTERM, then the actor itself (its recipe follows it: asyncrl.lifeline)
             try:
                 ray.get(actor.stop.remote(5.0), timeout=15)
@@ -312,9 +334,9 @@ class RaySupervisor:
 
     # -- external workers ----------------------------------------------------------------------------------------
     def _authorize_joiners(self) -> None:
-        for worker_id, key in ray.get(self.registry.pending.remote()).items():
+        for worker_id, key in self._registry("pending").items():
             self._authorize(f"external:{worker_id}", key)
-            ray.get(self.registry.mark_authorized.remote(worker_id))
+            self._registry("mark_authorized", worker_id)
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def _gang_ended(self, index: int) -> bool:
