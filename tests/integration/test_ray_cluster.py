@@ -235,7 +235,9 @@ def test_a_ray_run_survives_kills_node_changes_and_a_rank_restart(cluster, tmp_p
     assert killed_at < STEPS, "the rank was killed after the last step: the run was too quick for the test"
     ev = collections.Counter(e["event"] for e in events())
     assert ev["gang_failed"] == 1 and ev["gang_restarted"] == 1 and ev["gang_started"] == 2, ev
-    assert ev["worker_died"] >= 2 and ev["node_added"] >= 1 and ev["node_removed"] >= 1, ev
+    # the killed actor is a death; the removed node's worker is one too, or an exit, whichever Ray reports first
+    assert ev["worker_died"] >= 1 and ev["worker_died"] + ev["worker_exited"] >= 2, ev
+    assert ev["node_added"] >= 1 and ev["node_removed"] >= 1, ev
     assert ev["worker_draining"] == 1 and not any(e["event"] == "worker_started" and e["node_id"] == d_id
                                                   and e["worker_id"] != d_worker for e in events())
     # every prompt of the epoch trained exactly once, across the kills, the node changes and the restart
