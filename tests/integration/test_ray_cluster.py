@@ -25,6 +25,7 @@ node IP is pinned to 127.0.0.1 (:mod:`asyncrl.integrations.ray.fake`).
 from __future__ import annotations
 
 import collections
+import glob
 import json
 import os
 import signal
@@ -264,6 +265,9 @@ def test_a_ray_run_survives_kills_node_changes_and_a_rank_restart(cluster, tmp_p
     over_zmq = [w for w in zmq_bytes if path_of.get(w) == "zmq" and versions[w] >= 1]
     assert shm and all(zmq_bytes[w] == 0 for w in shm), {w: zmq_bytes[w] for w in shm}
     assert over_zmq and all(zmq_bytes[w] > 0 for w in over_zmq), {w: zmq_bytes[w] for w in over_zmq}
+    from asyncrl.integrations.ray.supervisor import relay_prefix
+
+    assert not glob.glob(relay_prefix(str(run_dir.resolve())) + ".*"), "a relay's shared memory was left behind"
     print(f"\nray run: first step after {t_first:.1f} s; add_node -> first group from it trained {add_to_group_s:.1f} s;"
           f" events {dict(ev)}")
 

@@ -10,7 +10,10 @@ A worker's secret key is made in its actor and never leaves that node.
 
 from __future__ import annotations
 
+import glob
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -135,9 +138,12 @@ class TrainerRank:
         return rec if rec.get("written", 0) >= self.started - 1 and rec.get("pid") == getattr(self.proc, "pid", None) else None
 
     def stop(self, timeout_s: float = 10.0) -> int | None:
-        if getattr(self, "_relay_stop", None) is not None:
+        code = _stop(self.proc, timeout_s)
+        if getattr(self, "_relay_stop", None) is not None:  # the relay last: its directory goes with it
             self._relay_stop.set()
-        return _stop(self.proc, timeout_s)
+            self._relay_thread.join(timeout_s)
+            shutil.rmtree(self._relay_dir, ignore_errors=True)
+        return code
 
     def relay_key(self) -> str:
         """A key pair for this node's weight relay, made here; its public key (the supervisor authorizes it)."""
@@ -149,16 +155,26 @@ class TrainerRank:
     def start_relay(self, connect: str, server_key: str, directory: str, delta: bool) -> str:
         """Weights by locality: this node's relay (:mod:`asyncrl.weights.relay`), in a thread of this actor, fetches
         each version once from the broadcaster over zmq and serves it in shared memory under ``directory`` to the
-        workers placed on this node; it ends with the actor. Returns ``directory``."""
+        workers placed on this node; it ends with the actor (:meth:`stop` removes the directory; the directories of
+        this run's earlier gangs, ``<prefix>.<attempt>`` beside ``directory``, killed without a stop, are removed here).
+        Returns ``directory``."""
         from asyncrl.config import RelayConfig, TransportConfig
         from workers.relay import run_relay
+
+        prefix = directory.rsplit(".", 1)[0]
+        for stale in glob.glob(f"{glob.escape(prefix)}.*"):
+            if stale != directory and re.fullmatch(re.escape(prefix) + r"\.\d+", stale):
+                shutil.rmtree(stale, ignore_errors=True)
+        self._relay_dir = directory
 
         cfg = RelayConfig(connect=connect, directory=directory, serve="shm", delta=delta)
         transport = TransportConfig(curve_client_secret_key=self._relay_secret)
         self._relay_stop = threading.Event()
-        threading.Thread(target=run_relay, args=(cfg, transport), daemon=True, name="asyncrl-relay",
-                         kwargs={"relay_id": f"relay-rank{self.rank}", "server_key": server_key,
-                                 "stop": self._relay_stop}).start()
+        self._relay_thread = threading.Thread(target=run_relay, args=(cfg, transport), daemon=True,
+                                              name="asyncrl-relay", kwargs={"relay_id": f"relay-rank{self.rank}",
+                                                                            "server_key": server_key,
+                                                                            "stop": self._relay_stop})
+        self._relay_thread.start()
         return directory
 
 

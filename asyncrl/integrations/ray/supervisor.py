@@ -20,8 +20,10 @@ Everything that happens is one line of ``RUN_DIR/cluster/events.jsonl`` (``gang_
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import tempfile
 import sys
 import threading
 import time
@@ -42,9 +44,16 @@ from asyncrl.config import RecipeConfig, apply_overrides
 from asyncrl.integrations.ray.actors import RegistryActor, RolloutWorkerActor, TrainerRankActor
 from asyncrl.transport.zmq import generate_curve_keys
 
-__all__ = ["RaySupervisor", "launch", "registry_name"]
+__all__ = ["RaySupervisor", "launch", "registry_name", "relay_prefix"]
 
 logger = logging.getLogger(__name__)
+
+
+def relay_prefix(run_dir: str) -> str:
+    """Where the relays of a run's gangs serve on rank 0's node: ``<prefix>.<attempt>`` under ``/dev/shm``, named by a
+    hash of the run directory (two runs never share one, a run's attempts are found by it)."""
+    root = "/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()
+    return f"{root}/asyncrl-relay-{hashlib.sha1(run_dir.encode()).hexdigest()[:12]}"
 
 
 def registry_name(run_dir: str) -> str:
@@ -191,7 +200,7 @@ class RaySupervisor:
                 self._authorize("relay", ray.get(rank0.relay_key.remote()))
                 gang.relay = ray.get(rank0.start_relay.remote(
                     records[0]["weights"]["address"], records[0]["server_key"],
-                    f"/dev/shm/asyncrl-relay-{Path(self.run_dir).name}-{self.attempt}", records[0]["weights"]["delta"]))
+                    f"{relay_prefix(self.run_dir)}.{self.attempt}", records[0]["weights"]["delta"]))
                 self.event("relay_started", node_id=gang.slots[0].node_id, directory=gang.relay)
 
     def _stop_gang(self, reason: str) -> None:
