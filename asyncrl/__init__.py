@@ -17,9 +17,9 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_CONFIGS = ("CheckpointConfig", "DataConfig", "DebugConfig", "EngineConfig", "FakeEngineConfig", "GateConfig",
-            "GuardConfig", "HFEngineConfig", "LoaderConfig", "LoraConfig", "LossConfig", "ModelConfig", "RecipeConfig",
-            "RelayConfig", "RewardConfig", "TrackingConfig", "TrainConfig", "TransportConfig", "VllmEngineConfig",
+_CONFIGS = ("CheckpointConfig", "ClusterConfig", "DataConfig", "DebugConfig", "EngineConfig", "FakeEngineConfig",
+            "FleetConfig", "GangConfig", "GateConfig", "GuardConfig", "HFEngineConfig", "LoaderConfig", "LoraConfig", "LossConfig", "ModelConfig", "RecipeConfig",
+            "RelayConfig", "RewardConfig", "SlurmConfig", "TrackingConfig", "TrainConfig", "TransportConfig", "VllmEngineConfig",
             "WeightSyncConfig", "WorkerConfig", "load_config")
 
 _EXPORTS = {

@@ -18,6 +18,12 @@ The debugger's commands (``asyncrl <command> --help`` for each):
 - ``asyncrl check --model DIR [--engine hf|vllm]``: every link from a model directory to RL training, verified
   stage by stage (asyncrl.check.runner).
 
+``asyncrl launch --config RUN.yaml [--engine local|ray|slurm] [--dry-run] [KEY=VALUE ...]`` starts a run of the recipe:
+``torchrun`` on this machine, the trainer gang and rollout fleet on a Ray cluster, or a Slurm job
+(:mod:`asyncrl.cluster.launch`, :mod:`asyncrl.integrations.ray`). ``asyncrl worker --registry RUN_DIR`` (or
+``--ray-address ADDR --run-name NAME``) finds every rank's pool, its public key and the worker settings from the
+pools' records instead of typed endpoints (:mod:`asyncrl.cluster.registry`).
+
 ``asyncrl tiny-model DIR [--chat | --vlm]`` builds a tiny model directory locally (asyncrl.testing.build): a 2-layer
 Qwen2 with a character tokenizer, or with a BPE tokenizer and a chat template, or a tiny vision-language model.
 """
@@ -28,6 +34,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import uuid
 from collections.abc import Sequence
@@ -40,12 +47,23 @@ __all__ = ["main"]
 
 
 def _worker(args: argparse.Namespace) -> None:
+    # SIGTERM drains: the worker leaves as on SHUTDOWN, saying BYE (its pools re-issue its leases at once) after
+    # flushing the groups it finished (a launcher removing a worker on purpose: asyncrl.integrations.ray)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     if args.parent_pid is not None:  # before the heavy imports: a worker starting up must not outlive its parent
         from asyncrl.lifeline import die_with_parent
 
         die_with_parent(args.parent_pid, what=f"rollout worker {args.worker_id or ''}".strip())
 
     tree: dict[str, Any] = {"worker": {}, "transport": {}}
+    connect, server_key = list(args.connect or []), args.server_key
+    if args.registry or args.ray_address:  # every rank's endpoint, the pools' public key and the run's worker settings
+        records = _pool_records(args)
+        connect, server_key = [r["endpoint"] for r in records], server_key or records[0]["server_key"]
+        tree = {"worker": records[0]["worker"], "transport": records[0]["transport"]}
+    elif not connect:
+        raise SystemExit("asyncrl worker: give --connect ADDR (once per trainer rank), --registry RUN_DIR, or "
+                         "--ray-address ADDR --run-name NAME")
     if args.config:
         with open(args.config, "rb") as f:
             tree.update(loads_json(f.read()))
@@ -66,13 +84,35 @@ def _worker(args: argparse.Namespace) -> None:
     transport = from_dict(TransportConfig, tree.get("transport", {}), "transport.")
     worker_id = args.worker_id or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     run_worker(
-        args.connect,
+        connect,
         worker,
         transport,
         worker_id=worker_id,
         parent_pid=args.parent_pid,
-        server_key=args.server_key,
+        server_key=server_key,
     )
+
+
+def _pool_records(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """A complete set of the run's pool records: from the files under ``--registry``, or from the Ray registry actor
+    of ``--run-name`` on the cluster at ``--ray-address`` (asyncrl.cluster.registry)."""
+    if args.registry:
+        from asyncrl.cluster.registry import wait_pool_records
+
+        return wait_pool_records(args.registry, timeout_s=args.registry_timeout_s)
+    if not args.run_name:
+        raise SystemExit("asyncrl worker --ray-address needs --run-name (the name of the run directory)")
+    if not args.client_key_file or not args.worker_id:
+        raise SystemExit("asyncrl worker --ray-address needs --client-key-file (its public key is authorized through the "
+                         "registry) and --worker-id")
+    import zmq
+
+    from asyncrl.integrations.ray.registry import lookup_records
+    from asyncrl.transport.zmq import read_curve_keys_file
+
+    public = zmq.curve_public(read_curve_keys_file(args.client_key_file)[0].encode()).decode()
+    return lookup_records(args.ray_address, args.run_name, namespace=args.ray_namespace,
+                          timeout_s=args.registry_timeout_s, worker_id=args.worker_id, public_key=public)
 
 
 def _relay(args: argparse.Namespace) -> None:
@@ -98,6 +138,24 @@ def _relay(args: argparse.Namespace) -> None:
     sys.exit(RelayLauncher(cfg, transport, relay_id=relay_id, server_key=args.server_key).run())
 
 
+def _launch(args: argparse.Namespace) -> None:
+    from asyncrl.cluster.launch import default_recipe, run_local, run_slurm
+    from asyncrl.config import load_config
+
+    overrides = list(args.overrides) + ([f"cluster.engine={args.engine}"] if args.engine else [])
+    cfg = load_config(args.config, overrides)  # refused here, naming the key, before anything starts
+    recipe = args.recipe or default_recipe()
+    if cfg.cluster.engine == "local":
+        sys.exit(run_local(cfg, args.config, overrides, recipe=recipe, resume=args.resume, dry_run=args.dry_run))
+    if cfg.cluster.engine == "slurm":
+        sys.exit(run_slurm(cfg, args.config, overrides, recipe=recipe, python=args.python, dry_run=args.dry_run))
+    try:
+        from asyncrl.integrations.ray import launch_ray
+    except ImportError as e:
+        raise SystemExit(f"cluster.engine=ray needs Ray: pip install 'asyncrl[ray]' ({e})") from None
+    sys.exit(launch_ray(cfg, run_file=args.config, overrides=overrides, recipe=recipe, dry_run=args.dry_run))
+
+
 _TOOLS = {
     "replay": ("asyncrl.debug.replay", "recompute a dumped batch and say token by token where rollout and trainer disagree"),
     "align": ("asyncrl.debug.align", "rollout-side vs trainer-side logprobs on the same tokens; non-zero exit above a threshold"),
@@ -118,7 +176,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     w = sub.add_parser("worker", help="run a rollout worker that serves one or more trainer ranks")
-    w.add_argument("--connect", action="append", required=True, help="pool endpoint (repeat once per trainer rank)")
+    w.add_argument("--connect", action="append", help="pool endpoint (repeat once per trainer rank)")
+    w.add_argument("--registry", metavar="RUN_DIR", help="instead of --connect: read every rank's endpoint, the pools' "
+                   "public key and the run's worker settings from the pools' records under RUN_DIR/cluster/pools "
+                   "(a run launched by asyncrl launch; shared storage); --set still overrides")
+    w.add_argument("--ray-address", help="instead of --connect: ask the run's registry actor on this Ray cluster "
+                   "(auto, or HOST:PORT) for the records (with --run-name)")
+    w.add_argument("--run-name", help="--ray-address: the run whose registry to ask (its run directory's name)")
+    w.add_argument("--ray-namespace", default="asyncrl", help="--ray-address: the run's Ray namespace (cluster.namespace)")
+    w.add_argument("--registry-timeout-s", type=float, default=300.0, help="wait this long for every rank's record")
     w.add_argument("--config", help="JSON file with 'worker' and 'transport' sections")
     w.add_argument("--config-json", help=argparse.SUPPRESS)
     w.add_argument("--set", action="append", metavar="KEY=VALUE", help="dotted override, e.g. worker.slots=8")
@@ -150,6 +216,19 @@ def main(argv: Sequence[str] | None = None) -> None:
                    "dies (under a supervisor of your own: systemd, Ray)")
     r.add_argument("--log-level", default=os.environ.get("ASYNCRL_LOG_LEVEL", "WARNING"))
     r.set_defaults(func=_relay)
+    la = sub.add_parser("launch", help="start a run of the recipe: torchrun here (local), on a Ray cluster (ray), or "
+                        "as a Slurm job (slurm)")
+    la.add_argument("--config", help="the run file (recipes/configs/*.yaml)")
+    la.add_argument("--engine", choices=("local", "ray", "slurm"), help="overrides cluster.engine")
+    la.add_argument("--dry-run", action="store_true", help="print what would run (the torchrun command, the sbatch "
+                    "script, the Ray plan) and start nothing")
+    la.add_argument("--recipe", help="the recipe script (default: recipes/grpo.py of this checkout)")
+    la.add_argument("--resume", action="store_true", help="local: continue from the run's latest checkpoint (ray and "
+                    "slurm always resume when a checkpoint exists)")
+    la.add_argument("--python", default="python", help="slurm: the interpreter on the hosts")
+    la.add_argument("--log-level", default=os.environ.get("ASYNCRL_LOG_LEVEL", "WARNING"))
+    la.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of the run file")
+    la.set_defaults(func=_launch)
     for name, (_, help_text) in _TOOLS.items():
         sub.add_parser(name, help=help_text, add_help=False)
     args = parser.parse_args(argv)

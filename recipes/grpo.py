@@ -81,6 +81,7 @@ from asyncrl import (  # the public surface: every component the recipe picks
     token_logprobs,
 )
 from asyncrl._gc import freeze_import_heap
+from asyncrl.cluster.registry import pool_record, write_pool_record
 from asyncrl.codec import dumps_json
 from asyncrl.config import to_dict
 from asyncrl.data.images import processor_inputs, vision_token_ids
@@ -293,6 +294,11 @@ class GRPORecipe:
         # the one owner of the policy version; publishes the current one: workers start from the trainer's weights
         self.sync = PolicySync(self.model, self.loader, self.broadcaster, version=self.version,
                                mode="lora" if cfg.lora.rank else "full", bucket_bytes=cfg.weights.bucket_bytes)
+        if cfg.cluster.engine != "local":  # launched on a cluster: workers find this pool by its record
+            write_pool_record(self.run_dir, pool_record(
+                rank=self.rank, world_size=self.world, incarnation=self.incarnation,
+                endpoint=self.loader.endpoints[self.rank], transport=to_dict(loader_cfg.transport), worker=to_dict(worker),
+                weights={"type": cfg.weights.type, "address": self.weights_address, "delta": cfg.weights.delta}))
         if self.rank == 0 and not loader_cfg.num_workers:  # remote workers: tell the operator where to point them
             connect = " ".join(f"--connect {e}" for e in self.loader.endpoints)
             print(f"start workers with: asyncrl worker {connect} --set worker.weights.type={cfg.weights.type} "
@@ -325,6 +331,7 @@ class GRPORecipe:
                     self.save_checkpoint()
                 if cfg.testing.pause_after_step == self.step:
                     time.sleep(3600)
+                time.sleep(cfg.testing.step_delay_s)
                 if self.step >= cfg.train.steps:
                     break
         bar.close()
@@ -394,7 +401,8 @@ class GRPORecipe:
 
     def _log(self, record: dict[str, Any], batch: dict[str, Any]) -> None:
         record["rollouts_per_s"] = len(batch["uids"]) * self.world / max(record["step_s"], 1e-9)
-        self.consumed_file.write(dumps_json({"step": self.step, "group_ids": batch["group_ids"]}) + b"\n")
+        self.consumed_file.write(dumps_json({"step": self.step, "group_ids": batch["group_ids"],
+                                             "workers": sorted(set(batch["worker_ids"]))}) + b"\n")
         self.consumed_file.flush()
         if self.metrics_file is not None:
             record["time"] = time.time()

@@ -19,6 +19,8 @@ module                        classes                              run file sect
 :mod:`~.debug`                ``DebugConfig``                      ``debug``
 :mod:`~.tracking`             ``TrackingConfig``                   ``tracking`` (and ``report_to``)
 :mod:`~.testing`              ``TestingConfig``, ``FaultConfig``   ``testing`` (the project's tests only)
+:mod:`~.cluster`              ``ClusterConfig``, ``GangConfig``,   ``cluster`` (``asyncrl launch``)
+                              ``FleetConfig``, ``SlurmConfig``
 :mod:`~.recipe`               ``RecipeConfig``                     the whole run file of ``recipes/grpo.py``
 ============================  ===================================  =========================================
 
@@ -29,6 +31,7 @@ override grammar).
 """
 
 from asyncrl.config._load import apply_overrides, check_keys, from_dict, load_run_file, to_dict
+from asyncrl.config.cluster import ClusterConfig, FleetConfig, GangConfig, SlurmConfig
 from asyncrl.config.data import DataConfig
 from asyncrl.config.debug import DebugConfig
 from asyncrl.config.engine import EngineConfig, FakeEngineConfig, HFEngineConfig, ModelEngineConfig, VllmEngineConfig
@@ -43,11 +46,14 @@ from asyncrl.config.worker import RewardConfig, WorkerConfig
 
 __all__ = [
     "CheckpointConfig",
+    "ClusterConfig",
     "DataConfig",
     "DebugConfig",
     "EngineConfig",
     "FakeEngineConfig",
     "FaultConfig",
+    "FleetConfig",
+    "GangConfig",
     "GateConfig",
     "GuardConfig",
     "HFEngineConfig",
@@ -59,6 +65,7 @@ __all__ = [
     "RecipeConfig",
     "RelayConfig",
     "RewardConfig",
+    "SlurmConfig",
     "TestingConfig",
     "TrackingConfig",
     "TrainConfig",

@@ -19,6 +19,7 @@ directory and every checkpoint; ``asyncrl.debug.rejection`` reads those back to 
     debug       DebugConfig        the RL debugger, samples of completions
     report_to   list[str]          TRL's key: the experiment trackers (tensorboard, wandb, mlflow)
     tracking    TrackingConfig     where those trackers write
+    cluster     ClusterConfig      where the processes run: this machine (torchrun), a Ray cluster, Slurm
     testing     TestingConfig      fault injection for the project's tests only
 
 ``rollout`` is the :class:`~asyncrl.config.LoaderConfig` because the loader owns the whole rollout side of a rank:
@@ -32,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from asyncrl.config._load import load_run_file
+from asyncrl.config.cluster import ClusterConfig
 from asyncrl.config.data import DataConfig
 from asyncrl.config.debug import DebugConfig
 from asyncrl.config.loader import LoaderConfig
@@ -74,6 +76,10 @@ class RecipeConfig:
     metrics and the guard's verdict, the resolved config, the samples as tables and the end-of-run summary; a
     ``--resume`` continues the same tracker run (``asyncrl.integrations.trackers``)."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Where the run's processes go (``asyncrl launch``): ``local`` (``torchrun`` here, as always), ``ray`` or
+    ``slurm``. The recipe itself reads only ``engine``: beyond ``local`` each rank writes its pool's record (endpoint,
+    CURVE public key, weight address) for the workers to find (:mod:`asyncrl.cluster.registry`)."""
     testing: TestingConfig = field(default_factory=TestingConfig)
     """Fault injection for the project's tests (never set in a real run)."""
 

@@ -59,6 +59,9 @@ class TestingConfig:
 
     pause_after_step: int | None = None
     """Every trainer rank sleeps after logging this step (to be killed mid-run)."""
+    step_delay_s: float = 0.0
+    """Every trainer rank sleeps this long after each step: a run slow enough for a test to act on it mid-way (kill
+    a worker, remove a node) on a machine where the tiny run takes a fraction of a second per step."""
     pause_in_save_at_step: int | None = None
     """Rank 0 sleeps inside the save of this step, after ``pause_in_save_point`` (the other ranks wait at the
     save's last barrier), to be killed in the middle of a save."""

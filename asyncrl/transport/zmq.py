@@ -38,8 +38,11 @@ and only within :mod:`asyncrl.pool.gate`'s ranges (``gate_*``); a HELLO cannot e
 reusing its id (``hello_refused_id_in_use``) and at most ``gate.max_peers`` workers are served
 (``hello_refused_max_peers``); a message from a peer that never said HELLO gets no answer
 (``messages_without_hello``), so a flood is not amplified; a peer that became unroutable is dropped at
-once. With CURVE, only the worker keys of ``transport.curve_allowed_keys[_file]`` pass the ZAP handshake
-(``curve_keys_refused``).
+once. With CURVE, only the worker keys of the pool's allow-list (``transport.curve_allowed_keys[_file]``, the file
+watched, and :meth:`ZmqRolloutReceiver.authorize`) pass the ZAP handshake (``curve_keys_refused``); a key revoked
+(:meth:`ZmqRolloutReceiver.revoke`, or left out of the rewritten file) is refused from then on: its worker is dropped
+at once (``workers_revoked``, leases re-issued) and each further message it sends is refused
+(``curve_key_revoked_messages``), checked against the key libzmq stamps on every message of a CURVE connection.
 ZeroMQ drops a connection whose frame exceeds ``max_message_bytes`` without saying why; a socket
 monitor counts every ended connection (``connections_dropped``) and failed handshake.
 
@@ -65,7 +68,7 @@ import zmq
 
 from asyncrl._logging import Throttle
 from asyncrl._zmq.curve import (
-    allowed_keys,
+    AllowList,
     client_secret_key,
     generate_curve_keys,
     read_curve_keys_file,
@@ -162,8 +165,12 @@ class ZmqRolloutReceiver(RolloutReceiver):
         gate: GateConfig | None = None,
     ):
         check_bind_address(config)
-        self._allowed = allowed_keys(config)
-        if config.curve_secret_key is not None and not self._allowed and not config.curve_allow_any_client:
+        self._lock = threading.Lock()
+        self._counters: collections.Counter[str] = collections.Counter()
+        self.allow_list = AllowList.from_config(config, count=self._count)
+        """The worker keys admitted (CURVE): :meth:`authorize` / :meth:`revoke` change it while the pool runs."""
+        listed = config.curve_allowed_keys or config.curve_allowed_keys_file is not None
+        if config.curve_secret_key is not None and not listed and not config.curve_allow_any_client:
             raise ValueError(
                 "a CURVE pool needs an allow-list of worker public keys: set transport.curve_allowed_keys or "
                 "transport.curve_allowed_keys_file (asyncrl.transport.zmq.write_curve_key_file makes a "
@@ -182,8 +189,6 @@ class ZmqRolloutReceiver(RolloutReceiver):
         self._shutdown_workers = True
         self._endpoint: str | None = None
         self._start_error: BaseException | None = None
-        self._lock = threading.Lock()
-        self._counters: collections.Counter[str] = collections.Counter()
         self._recent_errors: collections.deque[tuple[str, str]] = collections.deque(maxlen=32)
         self._rejected = RejectedRollouts()  # for the debugger
         self._throttle = Throttle(logger)  # repeated warnings (a prompt failing on every worker)
@@ -194,6 +199,9 @@ class ZmqRolloutReceiver(RolloutReceiver):
         self._waker = Waker(self._ctx, f"receiver-rank{rank}", coalesce=True)
         """Wakes the I/O thread: the pool's ``on_change`` (the trainer's thread), a cancel, close."""
         self._dirty = True  # something may let a grant pass lease more (I/O thread)
+        self._check_keys = config.curve_secret_key is not None and not config.curve_allow_any_client
+        self._peer_keys: dict[bytes, str] = {}  # identity -> the CURVE key it greeted with (I/O thread)
+        self._keys_version = self.allow_list.version
 
     # -- public --------------------------------------------------------------------------------
     def start(self) -> str:
@@ -211,6 +219,17 @@ class ZmqRolloutReceiver(RolloutReceiver):
         if self._endpoint is None:
             raise RuntimeError("receiver not started; call start() first")
         return self._endpoint
+
+    def authorize(self, key: str) -> None:
+        """Admits the worker public key ``key`` (Z85) from now on (a worker about to join)."""
+        self.allow_list.authorize(key)
+
+    def revoke(self, key: str) -> None:
+        """Refuses ``key`` from now on: a worker connected with it is dropped at once (its leases re-issued), and
+        its further messages and handshakes are refused and counted (``curve_key_revoked_messages``,
+        ``curve_keys_refused``)."""
+        self.allow_list.revoke(key)
+        self._waker.wake()
 
     def cancel_all(self) -> None:
         self._cancel.set()
@@ -260,7 +279,8 @@ class ZmqRolloutReceiver(RolloutReceiver):
         """The ZAP handler of a CURVE pool (before bind: libzmq asks it at every CURVE handshake)."""
         if self.config.curve_secret_key is None:
             return None
-        return start_authenticator(self._ctx, self._allowed, self._count)
+        return start_authenticator(self._ctx, None if self.config.curve_allow_any_client else self.allow_list,
+                                   self._count)
 
     def _run(self) -> None:
         auth = monitor = None
@@ -361,6 +381,10 @@ class ZmqRolloutReceiver(RolloutReceiver):
             if now >= next_housekeeping:  # deadlines are seconds; no need to scan more often
                 next_housekeeping = now + housekeeping_s
                 self._housekeeping(now)
+                if self._check_keys:
+                    self.allow_list.refresh()  # a watched allow-list file rewritten: authorize / revoke
+            if self._check_keys:
+                self._drop_revoked()
             if now >= next_heartbeat:
                 next_heartbeat = now + self.config.heartbeat_s
                 frames = encode(P.HEARTBEAT, {"policy_version": self.pool.policy_version,
@@ -419,6 +443,8 @@ class ZmqRolloutReceiver(RolloutReceiver):
     def _handle(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
         identity = frames[0].bytes
         self._count("messages")
+        if self._check_keys and not self._key_admitted(identity, frames[-1]):
+            return
         try:
             kind, body = decode(frames[1:], max_message_bytes=self.config.max_message_bytes)
             P.check_body(kind, body, P.WORKER_KINDS)
@@ -460,6 +486,35 @@ class ZmqRolloutReceiver(RolloutReceiver):
             refusal = self.admission.status(peer, body["status"])
             if refusal is not None:  # the previous status stays; a status grown past the limit must not go unnoticed
                 self._refused(identity, refusal.reason, refusal.error, peer.worker_id)
+
+    def _key_admitted(self, identity: bytes, frame: zmq.Frame) -> bool:
+        """Whether the CURVE key libzmq stamped on this message (the ZAP ``User-Id``: the Z85 public key the
+        connection authenticated with) is still admitted; a revoked key's message is refused and counted, and its
+        peer dropped (leases re-issued)."""
+        key = frame.get("User-Id")
+        self._peer_keys.setdefault(identity, key)
+        if self.allow_list.admits(key):
+            return True
+        self._count("curve_key_revoked_messages")
+        if identity in self.admission.peers:
+            self._drop_peer(identity, "workers_revoked")
+            self._dirty = True
+        self.admission.forget(identity)
+        return False
+
+    def _drop_revoked(self) -> None:
+        """After a revoke (the allow-list's version moved): every peer whose key is no longer admitted is dropped at
+        once, its leases re-issued, whether or not it sends anything more."""
+        if self.allow_list.version == self._keys_version:
+            return
+        self._keys_version = self.allow_list.version
+        for identity, key in list(self._peer_keys.items()):
+            if not self.allow_list.admits(key):
+                if identity in self.admission.peers:
+                    self._drop_peer(identity, "workers_revoked")
+                    self._dirty = True
+                self.admission.forget(identity)
+                del self._peer_keys[identity]
 
     def _hello(self, sock: zmq.Socket, identity: bytes, body: dict[str, Any], now: float) -> None:
         greeting = self.admission.hello(identity, body, now)

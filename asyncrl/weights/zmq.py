@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import zmq
 
-from asyncrl._zmq.curve import allowed_keys, client_secret_key, start_authenticator
+from asyncrl._zmq.curve import AllowList, client_secret_key, start_authenticator
 from asyncrl._zmq.io import IOThread, Waker, drain, is_loopback_bind
 from asyncrl.codec import DecodeError, decode, encode
 from asyncrl.config import TransportConfig
@@ -183,8 +183,12 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
         check_weight_bind(bind, security)
         WeightBroadcaster.__init__(self)
         self._curve = security if security is not None and security.curve_secret_key is not None else None
-        self._allowed = allowed_keys(self._curve) if self._curve is not None else frozenset()
-        if self._curve is not None and not self._allowed and not self._curve.curve_allow_any_client:
+        # the rollout channel's allow-list, watched the same way (a key left out of its file is refused from then on)
+        self._allowed = (AllowList.from_config(self._curve, count=lambda name: self._count(name))
+                         if self._curve is not None and not self._curve.curve_allow_any_client else None)
+        listed = self._curve is not None and (self._curve.curve_allowed_keys or
+                                              self._curve.curve_allowed_keys_file is not None)
+        if self._curve is not None and not listed and not self._curve.curve_allow_any_client:
             raise ValueError("a CURVE weight broadcaster needs an allow-list of worker public keys: set "
                              "curve_allowed_keys or curve_allowed_keys_file in its security settings, or "
                              "curve_allow_any_client=True to serve any key")
@@ -399,6 +403,13 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
     def _handle(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
         identity = frames[0].bytes
         self._count("requests")
+        if self._allowed is not None:  # a key revoked since its handshake: refused from then on, as by the pool
+            self._allowed.refresh()  # a stat per request (a few per version and receiver)
+            if not self._allowed.admits(frames[-1].get("User-Id")):
+                self._count("curve_key_revoked_messages")
+                with self._lock:
+                    self._peers.pop(identity, None)
+                return
         try:
             kind, body = decode(frames[1:], max_message_bytes=MAX_REQUEST_BYTES)
             P.check_message(kind, body, P.RECEIVER_KINDS)

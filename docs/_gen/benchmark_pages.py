@@ -327,6 +327,23 @@ def elastic_resume(r: Result) -> tuple[str, str]:
     return note + "\n\n" + tbl, f"{head} a same-size resume" if head else ""
 
 
+def cluster_launch(r: Result) -> tuple[str, str]:
+    m, c, ratios = r.data["metrics"], r.data["config"], r.data["ratios"]
+    rows = [[name, f(run["rollouts_per_s"], 1), x(ratios.get(f"{name} / torchrun rollouts_per_s")) if name != "torchrun"
+             else "baseline", f"{run['steps'][0]}–{run['steps'][1]}", f(run["seconds"], 1), f(run["wall_s"], 1),
+             str(run["staleness_max"])] for name, run in m.items()]
+    add = m["ray"]["add_node"]
+    ratio = ratios["ray / torchrun rollouts_per_s"]
+    note = (f"`{c['run_file']}`, {c['ranks']} trainer ranks, {c['workers']} HF workers, steps {c['warmup']} on "
+            f"(start-up not counted); load average before {f(r.data['load_average']['before'][0], 1)}.")
+    tbl = table(["launcher", "rollouts/s", "÷ torchrun", "steps timed", "timed (s)", "launch to end (s)",
+                 "staleness max"], rows)
+    joined = table(["add_node → node seen (s)", "→ its worker started (s)", "→ its first group trained (s)"],
+                   [[f(add["node_seen_s"], 1), f(add["worker_started_s"], 1), f(add["first_group_trained_s"], 1)]])
+    head = f"Ray {x(ratio)} torchrun's rollouts/s; a joining node's first group trained {f(add['first_group_trained_s'], 1)} s after add_node"
+    return note + "\n\n" + tbl + "\n\n" + joined, head
+
+
 def recipe_learning(r: Result) -> tuple[str, str]:
     c = r.data["config"]
     rows = []
@@ -499,6 +516,11 @@ BENCHMARKS = [
               "a resume at another number of trainer ranks (2 → 1, 1 → 2) against a resume at the same number",
               "python -m benchmarks.elastic_resume",
               [Series("Resume time", _is("elastic_resume"), elastic_resume)]),
+    Benchmark("cluster_launch", "torchrun vs Ray", "benchmarks/cluster_launch.py",
+              "the same tiny run launched by torchrun and by Ray (fake nodes on one machine): rollouts/s, and the "
+              "seconds from `add_node` to the first group from the new node",
+              "python -m benchmarks.cluster_launch",
+              [Series("Launchers and a joining node", _is("cluster_launch"), cluster_launch)]),
     Benchmark("control_plane", "Control plane at scale", "benchmarks/control_plane.py",
               "one pool fed by 8 to 256 simulated workers: who gets leases, pool CPU per group, the credit round trip, "
               "idle costs; before and after in one run",
