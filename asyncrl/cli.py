@@ -61,9 +61,6 @@ def _worker(args: argparse.Namespace) -> None:
         records = _pool_records(args)
         connect, server_key = [r["endpoint"] for r in records], server_key or records[0]["server_key"]
         tree = {"worker": records[0]["worker"], "transport": records[0]["transport"]}
-    elif not connect:
-        raise SystemExit("asyncrl worker: give --connect ADDR (once per trainer rank), --registry RUN_DIR, or "
-                         "--ray-address ADDR --run-name NAME")
     if args.config:
         with open(args.config, "rb") as f:
             tree.update(loads_json(f.read()))
@@ -232,6 +229,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     for name, (_, help_text) in _TOOLS.items():
         sub.add_parser(name, help=help_text, add_help=False)
     args = parser.parse_args(argv)
+    if args.command == "worker" and not (args.connect or args.registry or args.ray_address):
+        w.error("one of --connect ADDR (once per trainer rank), --registry RUN_DIR or --ray-address ADDR (with "
+                "--run-name NAME) is required")  # a usage error: exit 2, as argparse's own
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     args.func(args)
 
