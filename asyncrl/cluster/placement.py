@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from asyncrl.config.cluster import FleetConfig, GangConfig
 
-__all__ = ["PlacedBundle", "RankSlot", "assign_ranks", "backoff_s", "fleet_target", "free_resources", "gang_bundles",
-           "node_capacity",
+__all__ = ["PlacedBundle", "RankSlot", "assign_ranks", "backoff_s", "fleet_floor", "fleet_target", "free_resources",
+           "gang_bundles", "node_capacity",
            "torchrun_env", "weight_path", "worker_resources"]
 
 
@@ -164,3 +164,15 @@ def backoff_s(deaths: int, base: float, cap: float) -> float:
     """Wait before replacing a worker after its ``deaths``-th death in a row: ``base * 2**(deaths-1)``, at most
     ``cap``; 0 before any death."""
     return 0.0 if deaths <= 0 else min(cap, base * 2 ** (deaths - 1))
+
+
+def fleet_floor(below: bool | None, live: int, min_workers: int) -> tuple[bool | None, str | None]:
+    """Whether the fleet is below ``min_workers`` now, and the event to say (``fleet_below_min`` /
+    ``fleet_restored``) when that changed. ``below`` None: starting, nothing is said until the fleet first reaches
+    ``min_workers`` (a fleet that is still being placed is not one that lost workers)."""
+    now_below = live < min_workers
+    if below is None:
+        return (None if now_below else False), None
+    if now_below == below:
+        return below, None
+    return now_below, "fleet_below_min" if now_below else "fleet_restored"

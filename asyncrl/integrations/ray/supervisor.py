@@ -37,8 +37,9 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from asyncrl.cluster.placement import (PlacedBundle, assign_ranks, backoff_s, fleet_target, free_resources,
-                                       gang_bundles, node_capacity, torchrun_env, weight_path, worker_resources)
+from asyncrl.cluster.placement import (PlacedBundle, assign_ranks, backoff_s, fleet_floor, fleet_target,
+                                       free_resources, gang_bundles, node_capacity, torchrun_env, weight_path,
+                                       worker_resources)
 from asyncrl.codec import dumps_json
 from asyncrl.config import RecipeConfig, apply_overrides
 from asyncrl.integrations.ray.actors import RegistryActor, RolloutWorkerActor, TrainerRankActor
@@ -241,13 +242,9 @@ class RaySupervisor:
             return
         bundle = gang_bundles(self.gang_cfg)[0]  # what each trainer rank holds on its node
         live = sum(not w.draining for w in self.workers.values())
-        below = live < self.fleet_cfg.min_workers
-        if self._below_min is None:  # starting: said only once the fleet first reached min_workers
-            self._below_min: bool | None = None if not below else None
-        elif below != self._below_min:
-            self._below_min = below
-            self.event("fleet_below_min" if below else "fleet_restored", workers=live,
-                       min_workers=self.fleet_cfg.min_workers)
+        self._below_min, floor_event = fleet_floor(self._below_min, live, self.fleet_cfg.min_workers)
+        if floor_event is not None:
+            self.event(floor_event, workers=live, min_workers=self.fleet_cfg.min_workers)
         capacity = {n: 0 if n in self.cordoned else node_capacity(
             free_resources(info["Resources"], [bundle for s in gang.slots if s.node_id == n]), self.fleet_cfg)
             for n, info in self.nodes.items()}

@@ -86,3 +86,14 @@ def test_weight_path_by_locality():
 
 def test_backoff_doubles_to_a_cap():
     assert [backoff_s(n, 1.0, 5.0) for n in range(5)] == [0.0, 1.0, 2.0, 4.0, 5.0]
+
+
+def test_the_fleet_floor_is_said_when_crossed_not_while_the_fleet_is_first_placed():
+    from asyncrl.cluster.placement import fleet_floor
+
+    state, said = None, []
+    for live in [0, 1, 2, 3, 1, 1, 2, 0, 2]:  # min_workers=2: placing, reached, lost one, back, lost all, back
+        state, event = fleet_floor(state, live, 2)
+        said.append(event)
+    assert said == [None, None, None, None, "fleet_below_min", None, "fleet_restored", "fleet_below_min",
+                    "fleet_restored"]
