@@ -514,7 +514,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
                     self._drop_peer(identity, "workers_revoked")
                     self._dirty = True
                 self.admission.forget(identity)
-                del self._peer_keys[identity]
+                self._peer_keys.pop(identity, None)
 
     def _hello(self, sock: zmq.Socket, identity: bytes, body: dict[str, Any], now: float) -> None:
         greeting = self.admission.hello(identity, body, now)
@@ -613,6 +613,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
         return self._rejected.list()
 
     def _drop_peer(self, identity: bytes, reason: str) -> None:
+        self._peer_keys.pop(identity, None)  # a message it still sends is checked on its own key (_key_admitted)
         peer, released = self.admission.drop(identity, reason)
         self._dropped(peer, reason, released)
 
