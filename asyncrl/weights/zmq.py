@@ -19,7 +19,10 @@ Who blocks on what:
   against the previous version, once for every receiver at that base, while the trainer writes the next
   bucket and the I/O thread sends the previous one; a GET for a delta being encoded waits in the I/O
   thread (never blocking it). A publish that reuses a retired version's buffers waits for an encode
-  still reading them (one bucket's encode at most).
+  still reading them (one bucket's encode at most). A bucket whose last ``DENSE_AFTER`` deltas were not
+  smaller than the bucket (a step that moves nearly every word: fp32 weights, a large learning rate) is
+  served full without encoding, except every ``PROBE_EVERY``-th version, which tries again: the compare
+  pass is not paid on every update for nothing.
 * Receiver: one I/O thread owns the DEALER. It asks WANT on start, on ANNOUNCE and every
   ``WANT_INTERVAL_S`` as a fallback, fetches the newest version with at most ``window`` GETs in flight,
   copies every bucket out of its frame into a reused receive buffer (fused with the checksum), verifies
@@ -85,6 +88,10 @@ SPARE_SNAPSHOTS = 1
 """Retired bucket-buffer sets kept for reuse (beyond the ``keep_versions`` being served)."""
 _ENCODING = object()
 """``_delta_fields``: the bucket's delta is being encoded; the GET waits for it."""
+DENSE_AFTER = 2
+"""Deltas of a bucket in a row that were not smaller than the bucket after which it counts as dense."""
+PROBE_EVERY = 8
+"""A dense bucket is encoded again on every version divisible by this (the changes may have become sparse)."""
 
 
 def check_weight_bind(bind: str, security: TransportConfig | None) -> None:
@@ -199,6 +206,7 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
         self._codecs = threading.local()  # a DeltaCodec per encoder thread
         self._bases: dict[bytes, tuple[int, str]] = {}  # the base each receiver's last GET named (I/O thread)
         self._delta_wanted = False  # some receiver named a base: encode each new bucket at once (eagerly)
+        self._not_smaller: dict[int, int] = {}  # bucket index -> its deltas in a row not smaller than it (_lock)
         self._io = IOThread(self, "asyncrl-weight-broadcaster")
         self._ctx = self._io.ctx
         self._lock = threading.Lock()
@@ -510,6 +518,9 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
             return None
         key = (index, *base)
         with self._lock:
+            if key not in entry.deltas and self._dense(index, entry.manifest.version):
+                entry.deltas[key] = None  # served full, not encoded
+                self._counters["deltas_skipped_dense"] += 1
             done, delta = key in entry.deltas, entry.deltas.get(key)
         if done:
             return None if delta is None else {"data": torch.from_numpy(delta.payload), "delta": delta.header()}
@@ -525,10 +536,17 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
         if self._encoder is None or not self._delta_wanted:
             return
         with self._lock:
+            if self._dense(index, entry.manifest.version):
+                return  # a GET for it is answered full (_delta_fields)
             base = next((v for v in reversed(self._versions) if v is not entry and not v.failed
                          and len(v.checksums) == len(v.manifest.buckets)), None)
         if base is not None:
             self._submit_encode(entry, (index, base.manifest.version, base.manifest.incarnation))
+
+    def _dense(self, index: int, version: int) -> bool:
+        """(Under ``_lock``.) Whether bucket ``index`` of ``version`` is served full without trying a delta: its last
+        :data:`DENSE_AFTER` deltas were not smaller, and this is not a probing version (:data:`PROBE_EVERY`)."""
+        return self._not_smaller.get(index, 0) >= DENSE_AFTER and version % PROBE_EVERY != 0
 
     def _submit_encode(self, entry: _Version, key: tuple[int, int, str]) -> None:
         m = entry.manifest
@@ -567,6 +585,10 @@ class ZmqWeightBroadcaster(WeightBroadcaster):
                     snap.readers -= 1
                 self._read_done.notify_all()
                 entry.deltas.setdefault(key, delta)
+                if outcome == "not_smaller":
+                    self._not_smaller[index] = self._not_smaller.get(index, 0) + 1
+                elif outcome == "encoded":
+                    self._not_smaller[index] = 0
                 if outcome is not None:
                     self._counters["delta_encode_s"] += time.perf_counter() - t0
                     self._counters["delta_encode_cpu_s"] += time.thread_time() - cpu0

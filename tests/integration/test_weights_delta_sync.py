@@ -402,3 +402,45 @@ def test_a_publish_while_the_previous_versions_encodes_run_never_mixes_them(rece
         assert bs.get("delta_encode_errors", 0) == 0 and bs["versions"] == [2, 3], bs
     finally:
         b.close()
+
+
+def test_a_bucket_whose_deltas_are_not_smaller_is_served_full_without_encoding_until_a_probe(broadcaster, receivers):
+    """Weights that change whole (here: fresh random ones every version) make every delta as big as its bucket; after
+    DENSE_AFTER such deltas in a row a bucket is served full without the encode, except on probing versions
+    (PROBE_EVERY), and a probe that finds the changes sparse again brings the deltas back."""
+    from asyncrl.weights.zmq import DENSE_AFTER, PROBE_EVERY
+
+    def noise(seed: int) -> dict[str, torch.Tensor]:  # random bits in every word: no delta is smaller than the bucket
+        g = torch.Generator().manual_seed(seed)
+        out = {}
+        for name, t in weights().items():
+            width = t.element_size() * 8
+            bits = torch.randint(-(1 << (width - 1)), 1 << (width - 1), t.shape, generator=g, dtype=torch.int64)
+            v = bits.to(torch.int16 if width == 16 else torch.int32).view(t.dtype)
+            out[name] = torch.where(torch.isfinite(v), v, torch.zeros_like(v))
+        return out
+
+    r = receivers(broadcaster.address, "w0")
+    current = noise(1)
+    broadcaster.publish(current, 1)
+    apply(r, 1, current)
+    buckets = len(plan_buckets(current, 64 * KB))
+    for version in range(2, PROBE_EVERY):  # dense: fresh weights each version, no probe before PROBE_EVERY
+        current = noise(version)
+        broadcaster.publish(current, version)
+        apply(r, version, current)
+    s = broadcaster.stats()
+    dense_versions = PROBE_EVERY - 2  # versions 2 .. PROBE_EVERY - 1 were sent against a base
+    assert s.get("deltas_encoded", 0) == 0 and s["deltas_not_smaller"] == DENSE_AFTER * buckets, s
+    assert s["deltas_skipped_dense"] == (dense_versions - DENSE_AFTER) * buckets, s
+    assert r.stats().get("buckets_delta", 0) == 0
+
+    sparse = step(current, 99)  # a small step, published on the probing version: deltas again
+    broadcaster.publish(sparse, PROBE_EVERY)
+    apply(r, PROBE_EVERY, sparse)
+    after = step(sparse, 100)
+    broadcaster.publish(after, PROBE_EVERY + 1)
+    apply(r, PROBE_EVERY + 1, after)
+    s = broadcaster.stats()
+    assert s["deltas_encoded"] == 2 * buckets and s["deltas_skipped_dense"] == (dense_versions - DENSE_AFTER) * buckets, s
+    assert r.stats()["buckets_delta"] == 2 * buckets
