@@ -126,6 +126,17 @@ def run_ray(work: Path, steps: int, warmup: int, extra: list[str] = (), name: st
                 "add_node": {"node_seen_s": seen, "worker_started_s": started, "first_group_trained_s": trained}}
 
 
+def _new_result_path(stem: str) -> Path:
+    """``benchmarks/results/STEM.json``, or ``STEM-2.json``, ``STEM-3.json``, ...: an earlier result is never
+    overwritten (the docs' tables are generated from these files)."""
+    results = ROOT / "benchmarks" / "results"
+    path, n = results / f"{stem}.json", 1
+    while path.exists():
+        n += 1
+        path = results / f"{stem}-{n}.json"
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=300, help="steps of the torchrun run; the timed window of both")
@@ -153,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": {f"{name} / torchrun rollouts_per_s": run["rollouts_per_s"] / torchrun["rollouts_per_s"]
                    for name, run in rays.items()},
     }
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"cluster_launch-{dt.date.today().isoformat()}.json")
+    out = Path(args.out) if args.out else _new_result_path(f"cluster_launch-{dt.date.today().isoformat()}")
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"torchrun {torchrun['rollouts_per_s']:.1f} rollouts/s, ray {ray_run['rollouts_per_s']:.1f} rollouts/s "
           f"({ratio:.2f}x); add_node -> first group trained {ray_run['add_node']['first_group_trained_s']} s; {out}",
