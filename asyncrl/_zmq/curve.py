@@ -23,7 +23,6 @@ from asyncrl.config import TransportConfig
 
 __all__ = [
     "AllowList",
-    "allowed_keys",
     "client_secret_key",
     "generate_curve_keys",
     "read_curve_keys_file",
@@ -75,13 +74,6 @@ def client_secret_key(config: TransportConfig) -> str | None:
             raise ValueError(f"transport.curve_client_key_file={config.curve_client_key_file!r} holds no key")
         return keys[0]
     return None
-
-
-def allowed_keys(config: TransportConfig) -> frozenset[str]:
-    keys = list(config.curve_allowed_keys)
-    if config.curve_allowed_keys_file is not None:
-        keys += read_curve_keys_file(config.curve_allowed_keys_file)
-    return frozenset(keys)
 
 
 class AllowList:

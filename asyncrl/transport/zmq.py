@@ -496,10 +496,7 @@ class ZmqRolloutReceiver(RolloutReceiver):
         if self.allow_list.admits(key):
             return True
         self._count("curve_key_revoked_messages")
-        if identity in self.admission.peers:
-            self._drop_peer(identity, "workers_revoked")
-            self._dirty = True
-        self.admission.forget(identity)
+        self._refuse_revoked(identity)
         return False
 
     def _drop_revoked(self) -> None:
@@ -510,11 +507,15 @@ class ZmqRolloutReceiver(RolloutReceiver):
         self._keys_version = self.allow_list.version
         for identity, key in list(self._peer_keys.items()):
             if not self.allow_list.admits(key):
-                if identity in self.admission.peers:
-                    self._drop_peer(identity, "workers_revoked")
-                    self._dirty = True
-                self.admission.forget(identity)
-                self._peer_keys.pop(identity, None)
+                self._refuse_revoked(identity)
+
+    def _refuse_revoked(self, identity: bytes) -> None:
+        """A connection whose key was revoked: its peer dropped (leases re-issued), no SHUTDOWN owed to it."""
+        if identity in self.admission.peers:
+            self._drop_peer(identity, "workers_revoked")
+            self._dirty = True
+        self._peer_keys.pop(identity, None)
+        self.admission.forget(identity)
 
     def _hello(self, sock: zmq.Socket, identity: bytes, body: dict[str, Any], now: float) -> None:
         greeting = self.admission.hello(identity, body, now)
