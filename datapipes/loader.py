@@ -167,6 +167,7 @@ class RolloutLoader(Loader[TrainBatch]):
             health_check=self._health_check,
             before_state=self._commit_trained,
             on_epoch_end=self._epoch_end,
+            min_workers=config.min_workers,
         )
         node = GroupFilter(self.pool_node, group_filter) if group_filter is not None else self.pool_node
         node = Mapper(Batcher(node, config.batch_size, drop_last=False), self._recording(collate_fn))
@@ -382,6 +383,7 @@ class RolloutLoader(Loader[TrainBatch]):
             "skipped": skipped,
             "prompt_failures": {str(i): {"failures": n, "error": e} for i, (n, e) in failures.items()},
             "workers": self.launcher.stats() if self.launcher is not None else None,
+            "fleet": self.pool_node.fleet_stats(),  # the min_workers floor: pauses, seconds paused
         }
 
     def rejected_rollouts(self) -> list[dict[str, Any]]:

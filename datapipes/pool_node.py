@@ -9,6 +9,11 @@ resume), consumed watermark, timeline and policy version. It owns every rollout 
 nothing above it may prefetch with torchdata's Prefetcher (see the torchdata notes: it loses what it
 buffered on restore); a consumer that prefetches says so with ``LoaderConfig.prefetch``.
 
+With a fleet floor (``min_workers``, ``rollout.min_workers``) ``next()`` pauses while fewer workers serve the pool
+(:meth:`~asyncrl.transport.RolloutReceiver.ready_workers`): it takes nothing, the wait timeout does not run (a
+fleet being restored is not a stalled one), and it resumes when enough serve again; the groups that arrive meanwhile
+are buffered, judged for staleness when they are taken.
+
 ``reset(None)`` starts the next epoch (the first call starts epoch 0), unless nothing was yielded
 since the last reset: an ``iter()`` that yields nothing (Lightning calls ``iter()`` to check a loader)
 does not advance or restart the epoch. ``reset(state)`` continues the saved run, in this process or a
@@ -17,6 +22,7 @@ new one.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -29,6 +35,13 @@ from asyncrl.rollout import Group
 from asyncrl.transport import RolloutReceiver
 
 __all__ = ["RolloutPoolNode"]
+
+logger = logging.getLogger(__name__)
+
+PAUSE_SLICE_S = 0.25
+"""How often a paused ``next()`` looks at the fleet again (a worker's HELLO does not wake it)."""
+PAUSE_SAY_EVERY_S = 60.0
+"""A pause still going on is said again this often."""
 
 
 class RolloutPoolNode(BaseNode[Group]):
@@ -45,6 +58,7 @@ class RolloutPoolNode(BaseNode[Group]):
             every delivered group but those of the batches it fetched ahead). None: every delivered group
             counts as consumed in the state, as a plain torchdata node's would.
         on_epoch_end: called when ``next()`` finds the epoch's end (before it raises ``StopIteration``).
+        min_workers: the fleet's floor: ``next()`` pauses while fewer workers serve; 0: none.
     """
 
     STATE_VERSION = 1
@@ -61,6 +75,7 @@ class RolloutPoolNode(BaseNode[Group]):
         health_check: Callable[[], None] | None = None,
         before_state: Callable[[], Any] | None = None,
         on_epoch_end: Callable[[], Any] | None = None,
+        min_workers: int = 0,
     ):
         super().__init__()
         self.pool = pool
@@ -70,6 +85,12 @@ class RolloutPoolNode(BaseNode[Group]):
         self.health_check = health_check
         self.before_state = before_state
         self.on_epoch_end = on_epoch_end
+        self.min_workers = min_workers
+        self.fleet = {"pauses": 0, "paused_s": 0.0, "paused": False, "ready_workers": None}
+        """The floor's counters (:meth:`fleet_stats`): pauses begun, seconds of the pauses ended, paused now, the
+        ready workers last seen."""
+        self._paused_since: float | None = None
+        self._said_at = 0.0
         self._epochs_started = 0
         self._yielded_since_reset = 0
         self._next_check = 0.0
@@ -107,6 +128,40 @@ class RolloutPoolNode(BaseNode[Group]):
             self._next_check = now + self.poll_timeout_s
             self.health_check()
 
+    def fleet_stats(self) -> dict[str, Any]:
+        """The floor's counters with the pause going on counted up to now (``RolloutLoader.stats()["fleet"]``)."""
+        out = {**self.fleet, "min_workers": self.min_workers}
+        if self._paused_since is not None:
+            out["paused_s"] += time.monotonic() - self._paused_since
+        return out
+
+    def _below_floor(self, now: float) -> bool:
+        """Whether fewer than ``min_workers`` serve the pool now; says when a pause begins, lasts, ends."""
+        if not self.min_workers:
+            return False
+        ready = self.fleet["ready_workers"] = self.receiver.ready_workers()
+        key = self.pool.config_key
+        if ready >= self.min_workers:
+            if self._paused_since is not None:
+                paused = now - self._paused_since
+                self.fleet["paused_s"] += paused
+                self.fleet["paused"], self._paused_since = False, None
+                logger.warning("%s: resumed after %.1f s paused: %d workers serve (%s.min_workers=%d)",
+                               self.receiver.endpoint, paused, ready, key, self.min_workers)
+            return False
+        if self._paused_since is None:
+            self._paused_since, self._said_at = now, now
+            self.fleet["pauses"] += 1
+            self.fleet["paused"] = True
+            logger.warning("%s: paused: %d workers serve, fewer than %s.min_workers=%d; nothing is trained until "
+                           "enough serve again (groups that arrive are kept)", self.receiver.endpoint, ready, key,
+                           self.min_workers)
+        elif now - self._said_at >= PAUSE_SAY_EVERY_S:
+            self._said_at = now
+            logger.warning("%s: still paused after %.0f s: %d workers serve, fewer than %s.min_workers=%d",
+                           self.receiver.endpoint, now - self._paused_since, ready, key, self.min_workers)
+        return True
+
     def next(self) -> Group:
         waited_since = time.monotonic()
         before = None  # the counters when the wait began (taken once the first poll came back empty)
@@ -115,6 +170,10 @@ class RolloutPoolNode(BaseNode[Group]):
                 raise RuntimeError("the RolloutLoader is closed (its receiver and workers are stopped); build a new "
                                    "one to continue")
             self._maybe_check_health(time.monotonic())
+            if self._below_floor(time.monotonic()):
+                time.sleep(min(PAUSE_SLICE_S, self.poll_timeout_s))
+                waited_since, before = time.monotonic(), None  # the wait timeout counts from the resume
+                continue
             try:
                 group = self.pool.take(timeout=self.poll_timeout_s)
             except StopIteration:  # every prompt of the epoch delivered

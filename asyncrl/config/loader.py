@@ -87,6 +87,12 @@ class LoaderConfig:
     """Give every trainer rank the same number of prompts (needed for lock-step DDP)."""
     lease_timeout_s: float = 300.0
     """A prompt leased for longer than this is re-issued to another worker."""
+    min_workers: int = 0
+    """The fleet's floor: while fewer workers serve this rank's pool (greeted, alive, holding the trainer's weights),
+    ``next()`` pauses: it yields nothing (groups still arrive and are buffered), ``wait_timeout_s`` does not run, and
+    a warning says so every minute; it resumes when enough serve again (``stats()["fleet"]``: pauses, seconds
+    paused). For remote fleets that lose and regain workers (``cluster.fleet.min_workers`` sets it under Ray);
+    0 = no floor: the run goes on with whatever workers it has."""
     num_workers: int = 0
     """Local worker processes this rank starts (like ``DataLoader(num_workers=N)``); 0 = workers are
     started elsewhere with ``asyncrl worker --connect ADDR``."""
@@ -152,6 +158,8 @@ class LoaderConfig:
         if self.max_failed_starts is not None and self.max_failed_starts < 1:
             raise ValueError(f"loader.max_failed_starts={self.max_failed_starts} must be >= 1, or None to restart "
                              "workers that cannot start as restart_workers says")
+        if type(self.min_workers) is not int or self.min_workers < 0:
+            raise ValueError(f"loader.min_workers={self.min_workers!r} must be an integer >= 0 (0: no floor)")
         if self.wait_timeout_s is not None and not self.wait_timeout_s > 0:
             raise ValueError(f"loader.wait_timeout_s={self.wait_timeout_s} must be > 0 seconds, or None to wait "
                              "forever")

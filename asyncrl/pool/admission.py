@@ -268,9 +268,15 @@ class Admission:
             withheld, waited = p.withheld_s, p.waited
             if waited is not None:
                 withheld = {why: s + totals[i] - waited[i] for i, (why, s) in enumerate(withheld.items())}
-            out[p.worker_id] = {"pid": p.pid, "host": p.host, "slots": p.slots, "groups": p.groups, **(p.status or {}),
+            out[p.worker_id] = {"pid": p.pid, "host": p.host, "slots": p.slots, "groups": p.groups, "ready": p.ready,
+                                **(p.status or {}),
                                 **{f"credits_withheld_{why}_s": round(v, 4) for why, v in withheld.items()}}
         return out
+
+    def ready_workers(self) -> int:
+        """Peers that serve: greeted and not waiting for the trainer's weights (any thread)."""
+        with self.lock:
+            return sum(p.ready for p in self.peers.values())
 
     # -- what happened to a peer's leases --------------------------------------------------------------------
     def touch(self, identity: bytes) -> None:

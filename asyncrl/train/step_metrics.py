@@ -140,6 +140,9 @@ def pipeline_counters(loader: Any, broadcaster: Any | None) -> dict[str, Any]:
         "regenerated": stats["ledger"].get("regenerated", 0),
         "rollouts_received": stats["pool"].get("rollouts_received", 0),
         "bad_messages": stats["transport"].get("bad_messages", 0),
+        # the fleet floor (rollout.min_workers): pauses begun and seconds paused, this rank's loader
+        "fleet_pauses": (stats.get("fleet") or {}).get("pauses", 0),
+        "fleet_paused_s": round((stats.get("fleet") or {}).get("paused_s", 0.0), 3),
         "workers": {w: {k: v[k] for k in WORKER_KEYS if k in v} for w, v in workers.items()},
         "weight_sync": {k: v for k, v in broadcaster.stats().items() if k in WEIGHT_SYNC_KEYS}
         if broadcaster is not None else {},

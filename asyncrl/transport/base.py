@@ -71,6 +71,11 @@ class RolloutReceiver(abc.ABC):
         """Counters: messages, bad frames, refusals by reason (``not_leased_to_peer``, ``gate_*``,
         ``hello_refused_*``, ``curve_keys_refused``), workers joined/lost, connections dropped; ``workers``."""
 
+    def ready_workers(self) -> int:
+        """Workers that serve this pool now: greeted, alive and holding the trainer's weights (a worker still waiting
+        for them is not counted). The pool node's fleet floor (``rollout.min_workers``) compares it."""
+        return sum(w.get("ready", True) is not False for w in self.stats().get("workers", {}).values())
+
     def rejected_rollouts(self) -> list[dict[str, Any]]:
         """The last few rollouts refused by validation: ``{"worker", "error", "rollout"}`` with the wire dict
         as received (for the debugger's dumps). Backends that keep none return []."""

@@ -235,6 +235,9 @@ class ZmqRolloutReceiver(RolloutReceiver):
         self._cancel.set()
         self._waker.wake()
 
+    def ready_workers(self) -> int:
+        return self.admission.ready_workers()
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             out: dict[str, Any] = dict(self._counters)

@@ -29,6 +29,7 @@ class FakeBroadcaster:
 def test_pipeline_counters_keep_the_logged_keys():
     got = pipeline_counters(FakeLoader(), FakeBroadcaster())
     assert got == {"stale_dropped": 2, "regenerated": 1, "rollouts_received": 9, "bad_messages": 0,
+                   "fleet_pauses": 0, "fleet_paused_s": 0.0,  # a loader without the floor's counters
                    "workers": {"w0": {"busy_s": 1.5}}, "weight_sync": {"versions_published": 3}}
     assert pipeline_counters(FakeLoader(), None)["weight_sync"] == {}
 
