@@ -55,48 +55,59 @@ def _worker(args: argparse.Namespace) -> None:
 
         die_with_parent(args.parent_pid, what=f"rollout worker {args.worker_id or ''}".strip())
 
-    tree: dict[str, Any] = {"worker": {}, "transport": {}}
-    connect, server_key = list(args.connect or []), args.server_key
-    if args.registry or args.ray_address:  # every rank's endpoint, the pools' public key and the run's worker settings
-        records = _pool_records(args)
-        connect, server_key = [r["endpoint"] for r in records], server_key or records[0]["server_key"]
-        tree = {"worker": records[0]["worker"], "transport": records[0]["transport"]}
-    if args.config:
-        with open(args.config, "rb") as f:
-            tree.update(loads_json(f.read()))
-    if args.config_json:
-        tree.update(loads_json(args.config_json))
-    apply_overrides(tree, args.set or [])
-    if args.client_key_file:  # this worker's CURVE secret key: its public key is in the pool's allow-list
-        tree.setdefault("transport", {})["curve_client_key_file"] = args.client_key_file
-    worker = from_dict(WorkerConfig, tree.get("worker", {}), "worker.")  # errors name the dotted key
+    from asyncrl.transport import PeerLost
+
+    device = None
     if args.device:  # before any engine touches CUDA: this process sees only its GPUs
         from workers.launcher import pin_device
 
         device = pin_device(args.device)
-        if isinstance(worker.engine, HFEngineConfig):  # vLLM uses the GPUs it sees; the fake engine none
+    lost: str | None = None  # the incarnation of the pools this worker lost (found through a registry)
+    while True:
+        tree: dict[str, Any] = {"worker": {}, "transport": {}}
+        connect, server_key = list(args.connect or []), args.server_key
+        found = bool(args.registry or args.ray_address)
+        if found:  # every rank's endpoint, the pools' public key and the run's worker settings
+            records = _pool_records(args, not_incarnation=lost)
+            connect, server_key = [r["endpoint"] for r in records], server_key or records[0]["server_key"]
+            tree = {"worker": records[0]["worker"], "transport": records[0]["transport"]}
+        if args.config:
+            with open(args.config, "rb") as f:
+                tree.update(loads_json(f.read()))
+        if args.config_json:
+            tree.update(loads_json(args.config_json))
+        apply_overrides(tree, args.set or [])
+        if args.client_key_file:  # this worker's CURVE secret key: its public key is in the pool's allow-list
+            tree.setdefault("transport", {})["curve_client_key_file"] = args.client_key_file
+        worker = from_dict(WorkerConfig, tree.get("worker", {}), "worker.")  # errors name the dotted key
+        if device is not None and isinstance(worker.engine, HFEngineConfig):  # vLLM uses the GPUs it sees
             worker = dataclasses.replace(worker, engine=dataclasses.replace(worker.engine, device=device))
-    from workers.worker import run_worker
+        from workers.worker import run_worker
 
-    transport = from_dict(TransportConfig, tree.get("transport", {}), "transport.")
-    worker_id = args.worker_id or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    run_worker(
-        connect,
-        worker,
-        transport,
-        worker_id=worker_id,
-        parent_pid=args.parent_pid,
-        server_key=server_key,
-    )
+        transport = from_dict(TransportConfig, tree.get("transport", {}), "transport.")
+        args.worker_id = args.worker_id or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        try:
+            run_worker(connect, worker, transport, worker_id=args.worker_id, parent_pid=args.parent_pid,
+                       server_key=server_key)
+            return
+        except PeerLost as e:
+            if not found:
+                raise
+            # the trainer gang went silent (a rank died, the launcher restarts it elsewhere): the registry names the
+            # next incarnation's pools; a run that ended for good leaves none, and --registry-timeout-s ends the wait
+            lost = records[0]["incarnation"]
+            logging.getLogger("asyncrl.cli").warning("%s; waiting up to %.0f s (--registry-timeout-s) for the run's "
+                                                     "next trainer in the registry", e, args.registry_timeout_s)
 
 
-def _pool_records(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """A complete set of the run's pool records: from the files under ``--registry``, or from the Ray registry actor
-    of ``--run-name`` on the cluster at ``--ray-address`` (asyncrl.cluster.registry)."""
+def _pool_records(args: argparse.Namespace, not_incarnation: str | None = None) -> list[dict[str, Any]]:
+    """A complete set of the run's pool records, of another incarnation than ``not_incarnation``: from the files under
+    ``--registry``, or from the Ray registry actor of ``--run-name`` on the cluster at ``--ray-address``
+    (asyncrl.cluster.registry)."""
     if args.registry:
         from asyncrl.cluster.registry import wait_pool_records
 
-        return wait_pool_records(args.registry, timeout_s=args.registry_timeout_s)
+        return wait_pool_records(args.registry, timeout_s=args.registry_timeout_s, not_incarnation=not_incarnation)
     if not args.run_name:
         raise SystemExit("asyncrl worker --ray-address needs --run-name (the name of the run directory)")
     if not args.client_key_file or not args.worker_id:
@@ -109,7 +120,8 @@ def _pool_records(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     public = zmq.curve_public(read_curve_keys_file(args.client_key_file)[0].encode()).decode()
     return lookup_records(args.ray_address, args.run_name, namespace=args.ray_namespace,
-                          timeout_s=args.registry_timeout_s, worker_id=args.worker_id, public_key=public)
+                          timeout_s=args.registry_timeout_s, worker_id=args.worker_id, public_key=public,
+                          not_incarnation=not_incarnation)
 
 
 def _relay(args: argparse.Namespace) -> None:

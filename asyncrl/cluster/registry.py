@@ -126,8 +126,10 @@ def complete_records(records: list[dict[str, Any]]) -> list[dict[str, Any]] | No
     return [mine[r] for r in range(world)]
 
 
-def wait_pool_records(directory: str | Path, timeout_s: float = 300.0, poll_s: float = 0.2) -> list[dict[str, Any]]:
-    """Waits for a complete set of records under ``directory`` (:func:`complete_records`).
+def wait_pool_records(directory: str | Path, timeout_s: float = 300.0, poll_s: float = 0.2, *,
+                      not_incarnation: str | None = None) -> list[dict[str, Any]]:
+    """Waits for a complete set of records under ``directory`` (:func:`complete_records`), of another incarnation than
+    ``not_incarnation`` (a worker that lost that trainer waits for the next one).
 
     Raises:
         TimeoutError: naming the directory and the ranks found, after ``timeout_s``.
@@ -136,7 +138,7 @@ def wait_pool_records(directory: str | Path, timeout_s: float = 300.0, poll_s: f
     while True:
         records = read_pool_records(directory)
         done = complete_records(records)
-        if done is not None:
+        if done is not None and done[0]["incarnation"] != not_incarnation:
             return done
         if time.monotonic() > deadline:
             raise TimeoutError(f"no complete set of pool records under {directory} within {timeout_s:.0f} s (found "

@@ -14,8 +14,10 @@ __all__ = ["lookup_records"]
 
 
 def lookup_records(address: str, run_name: str, *, namespace: str = "asyncrl", timeout_s: float = 300.0,
-                   worker_id: str | None = None, public_key: str | None = None) -> list[dict[str, Any]]:
-    """The run's complete pool records from its registry, after authorizing ``public_key`` (when given).
+                   worker_id: str | None = None, public_key: str | None = None,
+                   not_incarnation: str | None = None) -> list[dict[str, Any]]:
+    """The run's complete pool records from its registry, after authorizing ``public_key`` (when given); of another
+    incarnation than ``not_incarnation`` (a worker that lost that gang waits for the one the supervisor restarts).
 
     Raises:
         TimeoutError: no registry, no authorization or no complete set of records within ``timeout_s``.
@@ -39,7 +41,7 @@ def lookup_records(address: str, run_name: str, *, namespace: str = "asyncrl", t
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"registry {name!r}: worker {worker_id} not authorized within {timeout_s:.0f} s")
                 time.sleep(0.2)
-        while (records := ray.get(registry.records.remote())) is None:
+        while (records := ray.get(registry.records.remote())) is None or records[0]["incarnation"] == not_incarnation:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"registry {name!r}: the pools' records are not complete within {timeout_s:.0f} s")
             time.sleep(0.5)
