@@ -1,7 +1,7 @@
 """The same tiny run launched by torchrun and by Ray, in one invocation: rollouts/s, and how soon a node that joins
 contributes.
 
-    python -m benchmarks.cluster_launch [--steps 300] [--warmup 30] [--out benchmarks/results/cluster_launch-DATE.json]
+    python -m benchmarks.cluster_launch [--steps 300] [--warmup 30] [--rounds 3] [--out results/cluster_launch-DATE.json]
 
 Both launches run ``recipes/configs/tiny_cpu.yaml`` (the tiny model, HF workers, 2 trainer ranks, gloo) with the same
 overrides and two rollout workers:
@@ -9,12 +9,15 @@ overrides and two rollout workers:
 * ``torchrun``: ``torchrun --standalone --nproc-per-node 2`` with one local worker per rank (``rollout.num_workers=1``,
   shared-memory weights): today's path (``asyncrl launch --engine local``);
 * ``ray``: ``asyncrl launch --engine ray``'s supervisor on a Ray cluster of fake nodes on this machine
-  (:mod:`asyncrl.integrations.ray.fake`: a head and two nodes, each with one trainer bundle and one rollout worker);
-  the workers take their weights by locality (the relay's shared memory on rank 0's node, zmq with deltas on the
-  other).
+  (:mod:`asyncrl.integrations.ray.fake`: a head and two nodes, each with one trainer bundle and one rollout worker,
+  Ray's workers at niceness 0 as torchrun's processes are); the workers take their weights by locality (the relay's
+  shared memory on rank 0's node, zmq on the other: full versions, the fake nodes sharing rank 0's address, see
+  ``cluster.fleet.delta``), with the supervisor's and the transport's default settings.
 
 Rollouts/s is the number of rollouts trained from step ``--warmup`` to step ``--steps`` over the wall time between
-them (``metrics.jsonl``), so start-up is not counted; the ratio is Ray's over torchrun's. The Ray run is given more
+them (``metrics.jsonl``), so start-up is not counted; the ratio is Ray's over torchrun's in the same round, and the
+one reported the median of ``--rounds`` rounds (a 12 s window on 2 shared cores moves by several percent from one run
+to the next). The Ray run is given more
 steps and goes on past that window for the joining node below, then is stopped. Then, in
 the Ray run, a third node with the rollout resource is added (``cluster.add_node``) and the seconds until the first
 group from its worker is trained (``consumed-rank*.jsonl``) are measured: ``add_node`` to the node seen, to its
@@ -28,6 +31,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -82,9 +86,10 @@ def run_ray(work: Path, steps: int, warmup: int, extra: list[str] = (), name: st
     run_dir = work / name
     # steps to spare after the timed window: the run goes on until the joining node's first group is trained, then
     # the supervisor is stopped
+    # the same overrides as torchrun's, plus where the ranks go: the supervisor's, the heartbeats' and the fleet's
+    # settings are their defaults
     overrides = [*_overrides(run_dir, steps * 20), "cluster.engine=ray", "cluster.node_ip=127.0.0.1",
-                 "cluster.trainer.nnodes=2", "cluster.fleet.poll_s=0.2", "rollout.transport.heartbeat_s=0.5",
-                 "rollout.transport.peer_timeout_s=5", *extra]
+                 "cluster.trainer.nnodes=2", *extra]
     cfg = load_config(str(RUN_FILE), overrides)
     trainer_node = node_args(2, 2, asyncrl_trainer=1, asyncrl_rollout=1)  # a GPU for the rank, one for the worker
     with fake_cluster({"a": trainer_node, "b": trainer_node}) as (cluster, _):
@@ -141,34 +146,47 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=300, help="steps of the torchrun run; the timed window of both")
     p.add_argument("--warmup", type=int, default=30, help="steps not timed (start-up, the first weights)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of torchrun then Ray (then the variants); the ratio "
+                   "reported is the median of the rounds' ratios, each against its own round's torchrun")
     p.add_argument("--ray-variant", action="append", default=[], metavar="'KEY=VALUE ...'",
                    help="another Ray launch with these overrides, measured the same way (repeatable), e.g. "
-                   "'cluster.fleet.delta=false'")
+                   "'cluster.fleet.delta=true'")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    rounds: list[dict[str, Any]] = []
+    load0 = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="asyncrl-cluster-launch-") as tmp:
-        work = Path(tmp)
-        load0 = os.getloadavg()
-        torchrun = run_torchrun(work, args.steps, args.warmup)
-        rays = {"ray": run_ray(work, args.steps, args.warmup)}
-        for i, variant in enumerate(args.ray_variant):
-            rays[f"ray {variant}"] = run_ray(work, args.steps, args.warmup, variant.split(), name=f"ray-{i}")
-    ray_run = rays["ray"]
-    ratio = ray_run["rollouts_per_s"] / torchrun["rollouts_per_s"]
+        for n in range(args.rounds):
+            work = Path(tmp) / f"round{n}"
+            runs = {"torchrun": run_torchrun(work, args.steps, args.warmup),
+                    "ray": run_ray(work, args.steps, args.warmup)}
+            for i, variant in enumerate(args.ray_variant):
+                runs[f"ray {variant}"] = run_ray(work, args.steps, args.warmup, variant.split(), name=f"ray-{i}")
+            rounds.append(runs)
+            print(f"round {n + 1}: " + ", ".join(f"{name} {run['rollouts_per_s']:.1f}" for name, run in runs.items()),
+                  file=sys.stderr)
+    names = [name for name in rounds[0] if name != "torchrun"]
+    per_round = {f"{name} / torchrun rollouts_per_s": [r[name]["rollouts_per_s"] / r["torchrun"]["rollouts_per_s"]
+                                                       for r in rounds] for name in names}
+    key = "ray / torchrun rollouts_per_s"
+    median_round = rounds[sorted(range(len(rounds)), key=lambda i: per_round[key][i])[len(rounds) // 2]]
     result = {
         "benchmark": "cluster_launch", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "config": {"run_file": str(RUN_FILE.relative_to(ROOT)), "steps": args.steps, "warmup": args.warmup,
-                   "overrides": _overrides(Path("RUN_DIR"), args.steps), "ranks": 2, "workers": 2},
+                   "rounds": args.rounds, "overrides": _overrides(Path("RUN_DIR"), args.steps), "ranks": 2,
+                   "workers": 2},
         "machine": machine(), "load_average": {"before": load0, "after": os.getloadavg()},
-        "metrics": {"torchrun": torchrun, **rays},
-        "ratios": {f"{name} / torchrun rollouts_per_s": run["rollouts_per_s"] / torchrun["rollouts_per_s"]
-                   for name, run in rays.items()},
+        "metrics": median_round,  # the round whose Ray ratio is the median
+        "ratios": {k: statistics.median(v) for k, v in per_round.items()},
+        "ratios_per_round": per_round,
+        "add_node_per_round": [r["ray"]["add_node"] for r in rounds],
+        "rounds": rounds,
     }
     out = Path(args.out) if args.out else _new_result_path(f"cluster_launch-{dt.date.today().isoformat()}")
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"torchrun {torchrun['rollouts_per_s']:.1f} rollouts/s, ray {ray_run['rollouts_per_s']:.1f} rollouts/s "
-          f"({ratio:.2f}x); add_node -> first group trained {ray_run['add_node']['first_group_trained_s']} s; {out}",
-          file=sys.stderr)
+    print(f"ray / torchrun rollouts/s: {result['ratios'][key]:.2f}x (median; rounds "
+          f"{', '.join(f'{v:.2f}' for v in per_round[key])}); add_node -> first group trained "
+          f"{median_round['ray']['add_node']['first_group_trained_s']} s; {out}", file=sys.stderr)
     return 0
 
 

@@ -5,7 +5,8 @@
                                     count within a node, so a node's ranks are consecutive (torchrun's layout)
     torchrun_env(slot, addr, port)  exactly torchrun's variables for that rank
     fleet_target(nodes, fleet)      how many rollout workers each node should hold now
-    weight_path(worker, trainer)    shm on the trainer's node, zmq (with deltas) elsewhere
+    weight_path(worker, trainer)    shm on the trainer's node, zmq elsewhere
+    wants_delta(choice, ips)        zmq with deltas when a network lies between the worker and the trainer
 
 The rank-0 bundle's node reports its IP and a free port (the Ray engine asks the rank-0 actor); the others get them
 as ``MASTER_ADDR``/``MASTER_PORT`` (verl ``single_controller/ray/base.py``, NeMo-RL ``virtual_cluster.py``).
@@ -20,7 +21,7 @@ from asyncrl.config.cluster import FleetConfig, GangConfig
 
 __all__ = ["PlacedBundle", "RankSlot", "assign_ranks", "backoff_s", "fleet_floor", "fleet_target", "free_resources",
            "gang_bundles", "node_capacity",
-           "torchrun_env", "weight_path", "worker_resources"]
+           "torchrun_env", "wants_delta", "weight_path", "worker_resources"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +159,17 @@ def weight_path(worker_node_id: str, trainer_node_id: str, choice: str = "auto")
         raise ValueError(f"cluster.fleet.weights='shm' but a worker is on node {worker_node_id}, not the trainer's "
                          f"rank-0 node {trainer_node_id}: shared memory does not cross machines; use 'auto'")
     return "shm" if same else "zmq"
+
+
+def wants_delta(choice: "bool | str", worker_ip: str, trainer_ip: str) -> bool:
+    """Whether a worker (or a relay) at ``worker_ip`` takes its zmq versions as deltas from the broadcaster at
+    ``trainer_ip`` (``cluster.fleet.delta``): ``True``/``False`` force it; ``auto`` takes deltas only across a network,
+    i.e. when the two addresses differ. Over one host's loopback a full copy costs a memory copy, while encoding and
+    applying a delta costs CPU at both ends that the trainer and the engine share: several Ray nodes on one host (the
+    fake cluster, a big machine split in nodes) take full versions."""
+    if choice == "auto":
+        return not worker_ip or not trainer_ip or worker_ip != trainer_ip
+    return bool(choice)
 
 
 def backoff_s(deaths: int, base: float, cap: float) -> float:

@@ -71,10 +71,11 @@ class FleetConfig:
     """The rollout workers: one Ray actor per worker, each running ``asyncrl worker`` against every rank's pool."""
 
     min_workers: int = 1
-    """The fleet's floor: while fewer workers live (deaths, a node removed) the supervisor says so (``fleet_below_min``
-    in ``RUN_DIR/cluster/events.jsonl``, then ``fleet_restored``) and keeps placing workers wherever resources allow.
-    The run itself goes on with the workers it has, slower, and stops generating only with none at all (the pools
-    grant leases to the workers they have; the trainer waits up to ``rollout.wait_timeout_s``)."""
+    """The fleet's floor: while fewer workers serve (deaths, a node removed, a fleet still being placed) every
+    trainer rank pauses (``rollout.min_workers`` is set from this: its loader yields nothing, its wait timeout does
+    not run, the groups that arrive are kept) and resumes when capacity returns; the supervisor says so
+    (``fleet_below_min``, then ``fleet_restored``, in ``RUN_DIR/cluster/events.jsonl``) and keeps placing workers
+    wherever resources allow. 0: no floor, the run goes on with whatever workers it has."""
     max_workers: int | None = None
     """Most workers at once; None: as many as the nodes with rollout resources hold (``workers_per_node`` each)."""
     workers_per_node: int = 1
@@ -94,12 +95,13 @@ class FleetConfig:
     long it is killed (its leases are re-issued, as for a death)."""
     weights: Literal["auto", "zmq", "shm"] = "auto"
     """Which weight path each worker takes. ``auto``: by locality, chosen per worker: a worker on rank 0's node
-    reads shared memory from a node relay there, every other worker takes ``zmq`` with deltas from the trainer;
+    reads shared memory from a node relay there, every other worker takes ``zmq`` from the trainer (as deltas per ``delta``);
     ``zmq``: every worker from the trainer over zmq; ``shm``: only for a fleet entirely on rank 0's node."""
-    delta: bool = True
-    """Workers that take ``zmq`` get each version as a delta against the one they hold (``weights.delta``: fewer
-    bytes on a network, more CPU at both ends). False: full versions (machines whose link is faster than their
-    CPUs, e.g. fake nodes on one host)."""
+    delta: Literal["auto"] | bool = "auto"
+    """Whether workers that take ``zmq`` get each version as a delta against the one they hold (``weights.delta``:
+    fewer bytes on the wire, more CPU at both ends), chosen per worker. ``auto``: only workers whose node address
+    differs from rank 0's (a network between them); a worker or relay on rank 0's address (its own node, or fake
+    nodes on one host) takes full versions, which cost a memory copy there. ``true``/``false``: every zmq worker."""
     poll_s: float = 0.5
     """How often the supervisor looks at the cluster's nodes (joins, removals) besides the actors' deaths."""
 
@@ -113,6 +115,8 @@ class FleetConfig:
             raise ValueError(f"cluster.fleet: need 0 <= {self.restart_backoff_s=} <= {self.restart_backoff_max_s=}")
         if self.weights not in ("auto", "zmq", "shm"):
             raise ValueError(f"cluster.fleet.weights={self.weights!r} must be 'auto', 'zmq' or 'shm'")
+        if self.delta not in ("auto", True, False):
+            raise ValueError(f"cluster.fleet.delta={self.delta!r} must be 'auto', true or false")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -4,12 +4,14 @@ the end from the run's own records:
 
 - placement: the two trainer ranks on the two trainer nodes (a gloo gang across them), a worker on every node with the
   rollout resource;
-- a rollout actor killed (``ray.kill``) mid-run: detected, its key revoked, replaced after a backoff;
-- a node removed (``cluster.remove_node``) and a node added: the run goes on; a worker starts on the new node,
-  authenticates, syncs weights and contributes groups;
+- a rollout actor killed (``ray.kill``) mid-run: detected, its key revoked, replaced after a backoff; the fleet is
+  below ``min_workers`` (3) meanwhile and the ranks pause, then resume;
+- a node removed (``cluster.remove_node``) and a node added: the ranks pause below the floor and resume when a worker
+  starts on the new node, authenticates, syncs weights and contributes groups;
 - a worker started outside Ray (``asyncrl worker --ray-address``) joins through the registry and contributes;
 - the new node drained on purpose: its worker leaves cleanly (BYE, exit 0) and nothing is placed there again;
-- a trainer rank killed: the gang restarts from the newest checkpoint (``cluster.trainer.max_restarts``);
+- a trainer rank killed: the gang restarts from the newest checkpoint (``cluster.trainer.max_restarts``); the worker
+  outside Ray finds the restarted gang's pools in the registry and serves them (the fleet needs it to reach the floor);
 - every prompt of every epoch trained exactly once across all of it, within the staleness bound; nothing of the run
   listens beyond loopback;
 
@@ -93,7 +95,7 @@ def _overrides(run_dir: Path) -> list[str]:
         "rollout.transport.heartbeat_s=0.5", "rollout.transport.peer_timeout_s=5", "debug.report=false",
         "cluster.engine=ray", "cluster.node_ip=127.0.0.1", f"cluster.namespace={NAMESPACE}",
         "cluster.trainer.nnodes=2", "cluster.trainer.max_restarts=1", "cluster.trainer.restart_backoff_s=0.5",
-        "cluster.fleet.min_workers=2", "cluster.fleet.restart_backoff_s=0.5", "cluster.fleet.poll_s=0.3",
+        "cluster.fleet.min_workers=3", "cluster.fleet.restart_backoff_s=0.5", "cluster.fleet.poll_s=0.3",
         "cluster.fleet.drain_timeout_s=10", "testing.step_delay_s=1.5"]
 
 
@@ -165,11 +167,13 @@ def test_a_ray_run_survives_kills_node_changes_and_a_rank_restart(cluster, tmp_p
         assert {r["node_id"] for r in gang["ranks"]} == {_node_id(nodes["a"]), _node_id(nodes["b"])}
         _wait(lambda: {w.node_id for w in sup.workers.values()} >= {_node_id(n) for n in nodes.values()}, 60,
               "a worker on every rollout node", alive)
-        # weights by locality: shm through the relay on rank 0's node, zmq (with deltas) from the trainer elsewhere
+        # weights by locality: shm through the relay on rank 0's node, zmq from the trainer elsewhere
         rank0_node = gang["ranks"][0]["node_id"]
         assert any(e["event"] == "relay_started" and e["node_id"] == rank0_node for e in events())
         paths = {e["node_id"]: e["weights"] for e in events() if e["event"] == "worker_started"}
         assert paths[rank0_node] == "shm" and {p for n, p in paths.items() if n != rank0_node} == {"zmq"}, paths
+        # every fake node is on 127.0.0.1, rank 0's address: full versions, no deltas (cluster.fleet.delta: auto)
+        assert not any(e["delta"] for e in events() if e["event"] == "worker_started")
         # nothing of the run (the recipes, the workers) listens beyond loopback
         actor_pids = {p for e in events() if e["event"] == "worker_started" for p in [e["pid"]]}
         actor_pids |= {ray.get(r.node.remote())["pid"] for r in sup.gang.ranks}
@@ -179,17 +183,25 @@ def test_a_ray_run_survives_kills_node_changes_and_a_rank_restart(cluster, tmp_p
         listening = [a for a in _listeners(mine) if a.rsplit(":", 1)[1] != master_port]
         assert listening and all(addr.startswith("127.0.0.1:") for addr in listening), listening
 
-        # 1. a rollout actor killed mid-run: replaced after its key is revoked
+        # 1. a rollout actor killed mid-run: replaced after its key is revoked; the ranks pause below min_workers (3)
+        # meanwhile and resume once the replacement serves (each rank logs its pauses; rank 0's log is read here)
+        rank0_log = run_dir / "cluster" / "logs" / "rank0.attempt1.log"
+        said = lambda what: rank0_log.read_text().count(what) if rank0_log.exists() else 0  # noqa: E731
+        _wait(lambda: said("resumed after") >= 1, 60, "the ranks resumed once the first fleet served", alive)
         victim = next(w for w in sup.workers.values() if w.node_id == _node_id(nodes["a"]))
         ray.kill(victim.actor)
         _wait(lambda: any(e["event"] == "key_revoked" and e["worker_id"] == victim.worker_id for e in events()), 30,
               "the victim's key revoked", alive)
         _wait(lambda: any(e["event"] == "worker_started" and e["node_id"] == _node_id(nodes["a"])
                           and e["worker_id"] != victim.worker_id for e in events()), 30, "a replacement on a", alive)
+        _wait(lambda: said("paused: ") >= 2 and said("resumed after") >= 2, 60, "a pause and a resume after the kill",
+              alive)
 
-        # 2. a node removed, a node added: a worker starts there and contributes
+        # 2. a node removed: the ranks pause below the floor; a node added: a worker starts there, contributes, and
+        # the ranks resume
         c.remove_node(nodes.pop("c"))
         _wait(lambda: any(e["event"] == "node_removed" for e in events()), 30, "the node's removal seen", alive)
+        _wait(lambda: said("paused: ") >= 3, 60, "the ranks paused after the node's removal", alive)
         t_add = time.monotonic()
         nodes["d"] = c.add_node(**node_args(1, 1, asyncrl_rollout=1))
         d_id = _node_id(nodes["d"])
@@ -198,6 +210,7 @@ def test_a_ray_run_survives_kills_node_changes_and_a_rank_restart(cluster, tmp_p
         d_worker = next(e["worker_id"] for e in events() if e["event"] == "worker_started" and e["node_id"] == d_id)
         _wait(lambda: d_worker in consumed_workers(), 120, "a group from the new node trained", alive)
         add_to_group_s = time.monotonic() - t_add
+        assert said("resumed after") >= 3
 
         # 3. a worker outside Ray joins through the registry
         key = tmp_path / "ext.key"
@@ -223,6 +236,11 @@ def test_a_ray_run_survives_kills_node_changes_and_a_rank_restart(cluster, tmp_p
         _wait(lambda: (run_dir / "checkpoints" / "latest").exists(), 120, "a checkpoint", alive)
         killed_at = steps()
         os.kill(int((run_dir / "pid-rank1").read_text()), signal.SIGKILL)
+        # the restarted gang has two supervised workers (c removed, d drained): it trains only once the worker
+        # outside Ray has found its pools through the registry
+        _wait(lambda: any("outside-1" in rec.get("workers", []) and rec["step"] > killed_at
+                          for r in range(WORLD) for rec in _read_jsonl(run_dir / f"consumed-rank{r}.jsonl")), 180,
+              "the worker outside Ray serving the restarted gang", alive)
         thread.join(300)
         assert not thread.is_alive(), "the run did not end"
     finally:
@@ -239,6 +257,11 @@ def test_a_ray_run_survives_kills_node_changes_and_a_rank_restart(cluster, tmp_p
     # the killed actor is a death; the removed node's worker is one too, or an exit, whichever Ray reports first
     assert ev["worker_died"] >= 1 and ev["worker_died"] + ev["worker_exited"] >= 2, ev
     assert ev["node_added"] >= 1 and ev["node_removed"] >= 1, ev
+    # below min_workers the ranks paused (at the start, after the kill, after the removal), then resumed
+    assert ev["fleet_below_min"] >= 2 and ev["fleet_restored"] >= 2, ev  # the kill, the removal
+    before_restart = [m for m in metrics_of(run_dir) if m["step"] <= killed_at]
+    pauses = max(m["pipeline"]["fleet_pauses"] for m in before_restart)
+    assert pauses >= 3 and max(m["pipeline"]["fleet_paused_s"] for m in before_restart) > 0, pauses
     assert ev["worker_draining"] == 1 and not any(e["event"] == "worker_started" and e["node_id"] == d_id
                                                   and e["worker_id"] != d_worker for e in events())
     # every prompt of the epoch trained exactly once, across the kills, the node changes and the restart
@@ -270,6 +293,10 @@ def test_a_ray_run_survives_kills_node_changes_and_a_rank_restart(cluster, tmp_p
     assert not glob.glob(relay_prefix(str(run_dir.resolve())) + ".*"), "a relay's shared memory was left behind"
     print(f"\nray run: first step after {t_first:.1f} s; add_node -> first group from it trained {add_to_group_s:.1f} s;"
           f" events {dict(ev)}")
+
+
+def metrics_of(run_dir: Path) -> list[dict]:
+    return _read_jsonl(run_dir / "metrics.jsonl")
 
 
 def _run(sup) -> int:

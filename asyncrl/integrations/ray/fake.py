@@ -6,6 +6,11 @@ node's ``node_ip_address`` is ``127.0.0.1``, and ``RAY_ENABLE_WINDOWS_OR_OSX_CLU
 Ray's children, and Ray's constant patched in this process, whatever imported Ray first), without which Ray resolves
 127.0.0.1 to the machine's interface address when a driver connects. Ray's own daemons still listen on every interface
 (Ray 2.60 has no bind address for them): run this on a machine whose network you trust, as any Ray cluster.
+
+Its workers run at niceness 0 (``RAY_worker_niceness=0``, unless the environment sets it), as torchrun's processes and
+Ray Jobs' drivers do: by default Ray starts every worker process at niceness 15, asyncrl's trainer ranks and rollout
+workers (children of Ray actors) inherit it, and on one machine whose CPUs the fake nodes share, Ray's own daemons
+then preempt the run (``benchmarks/cluster_launch.py`` measured 0.84-0.88x torchrun's rollouts/s at 15).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ def fake_cluster(nodes: dict[str, dict[str, Any]], *, namespace: str = "asyncrl"
 
     saved = constants.ENABLE_RAY_CLUSTER
     constants.ENABLE_RAY_CLUSTER = False
+    os.environ.setdefault("RAY_worker_niceness", "0")  # read by each raylet as it starts: see the module's docstring
     cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1, node_ip_address="127.0.0.1",
                                                                 include_dashboard=False,
                                                                 object_store_memory=OBJECT_STORE_BYTES))

@@ -38,8 +38,8 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from asyncrl.cluster.placement import (PlacedBundle, assign_ranks, backoff_s, fleet_floor, fleet_target,
-                                       free_resources, gang_bundles, node_capacity, torchrun_env, weight_path,
-                                       worker_resources)
+                                       free_resources, gang_bundles, node_capacity, torchrun_env, wants_delta,
+                                       weight_path, worker_resources)
 from asyncrl.codec import dumps_json
 from asyncrl.config import RecipeConfig, apply_overrides
 from asyncrl.integrations.ray.actors import RegistryActor, RolloutWorkerActor, TrainerRankActor
@@ -179,8 +179,11 @@ class RaySupervisor:
         host = self.cluster.node_ip or slot.node_ip
         tree = yaml.safe_load(yaml.safe_dump(self.tree))  # a deep copy of plain data
         apply_overrides(tree, ["cluster.engine=ray", "rollout.num_workers=0", f"run_dir={self.run_dir}",
+                               f"rollout.min_workers={self.fleet_cfg.min_workers}",  # below it each rank pauses
                                f"rollout.transport.bind=tcp://{host}:0", "weights.type=zmq",
-                               f"weights.bind=tcp://{host}:0", f"weights.delta={str(self.fleet_cfg.delta).lower()}"])
+                               f"weights.bind=tcp://{host}:0",
+                               # the broadcaster encodes only once some receiver asks for deltas (_worker_sets)
+                               f"weights.delta={str(self.fleet_cfg.delta is not False).lower()}"])
         # set, not overridden: Z85 keys hold characters YAML would read as syntax
         tree["rollout"].setdefault("transport", {}).update(curve_public_key=self.pool_public,
                                                            curve_secret_key=self.pool_secret)
@@ -199,9 +202,10 @@ class RaySupervisor:
             if self.fleet_cfg.weights in ("auto", "shm"):  # weights by locality: a relay on rank 0's node serves it shm
                 rank0 = gang.ranks[0]
                 self._authorize("relay", ray.get(rank0.relay_key.remote()))
+                ip = gang.slots[0].node_ip  # the relay shares rank 0's host: deltas only when forced
                 gang.relay = ray.get(rank0.start_relay.remote(
                     records[0]["weights"]["address"], records[0]["server_key"],
-                    f"{relay_prefix(self.run_dir)}.{self.attempt}", records[0]["weights"]["delta"]))
+                    f"{relay_prefix(self.run_dir)}.{self.attempt}", wants_delta(self.fleet_cfg.delta, ip, ip)))
                 self.event("relay_started", node_id=gang.slots[0].node_id, directory=gang.relay)
 
     def _stop_gang(self, reason: str) -> None:
@@ -278,18 +282,23 @@ class RaySupervisor:
         self._authorize(worker_id, info["public_key"])  # before it connects: its first handshake is admitted
         path = weight_path(node, gang.slots[0].node_id, fleet.weights)
         worker = _Worker(worker_id=worker_id, node_id=node, actor=actor, public_key=info["public_key"], weights=path)
-        worker.ref = actor.run.remote(gang.records, self._worker_sets(worker),
-                                      str(self.logs / f"{worker_id}.log"))
+        sets = self._worker_sets(worker)
+        worker.ref = actor.run.remote(gang.records, sets, str(self.logs / f"{worker_id}.log"))
         self.workers[worker_id] = worker
-        self.event("worker_started", worker_id=worker_id, node_id=node, pid=info["pid"], weights=path)
+        self.event("worker_started", worker_id=worker_id, node_id=node, pid=info["pid"], weights=path,
+                   delta="worker.weights.delta=true" in sets)
 
     def _worker_sets(self, worker: _Worker) -> list[str]:
         """The worker's weight path, chosen for it: on rank 0's node the relay's shared memory (the broadcaster's zmq
-        stays its fallback while the relay is down); elsewhere zmq with deltas straight from the broadcaster."""
+        stays its fallback while the relay is down); elsewhere zmq straight from the broadcaster, as deltas when a
+        network lies between them (:func:`~asyncrl.cluster.placement.wants_delta`)."""
         gang = self.gang
-        if worker.weights == "shm" and gang is not None and gang.relay is not None:
-            return [f"worker.weights.relay={gang.relay}"]
-        return []
+        assert gang is not None
+        ip = self.nodes.get(worker.node_id, {}).get("NodeManagerAddress", "")
+        sets = [f"worker.weights.delta={str(wants_delta(self.fleet_cfg.delta, ip, gang.slots[0].node_ip)).lower()}"]
+        if worker.weights == "shm" and gang.relay is not None:
+            sets.append(f"worker.weights.relay={gang.relay}")
+        return sets
 
     def _authorize(self, worker_id: str, key: str) -> None:
         self.keys[worker_id] = key

@@ -97,3 +97,12 @@ def test_the_fleet_floor_is_said_when_crossed_not_while_the_fleet_is_first_place
         said.append(event)
     assert said == [None, None, None, None, "fleet_below_min", None, "fleet_restored", "fleet_below_min",
                     "fleet_restored"]
+
+
+def test_deltas_only_across_a_network_by_default():
+    from asyncrl.cluster.placement import wants_delta
+
+    assert wants_delta("auto", "10.0.0.2", "10.0.0.1") is True  # another host: fewer bytes on the wire
+    assert wants_delta("auto", "127.0.0.1", "127.0.0.1") is False  # one host (fake nodes, the relay): a memory copy
+    assert wants_delta("auto", "", "10.0.0.1") is True  # unknown address: assume a network
+    assert wants_delta(True, "127.0.0.1", "127.0.0.1") is True and wants_delta(False, "10.0.0.2", "10.0.0.1") is False
