@@ -104,6 +104,10 @@ class FleetConfig:
     nodes on one host) takes full versions, which cost a memory copy there. ``true``/``false``: every zmq worker."""
     poll_s: float = 0.5
     """How often the supervisor looks at the cluster's nodes (joins, removals) besides the actors' deaths."""
+    place_timeout_s: float = 60.0
+    """A worker actor not running on its node this long after it was asked for (the node's resources are held by
+    something else, the node is going away) is given up: killed, and tried again there after the backoff. The
+    supervisor goes on watching everything else meanwhile."""
 
     def __post_init__(self):
         if self.min_workers < 0 or self.workers_per_node < 1:
@@ -113,6 +117,8 @@ class FleetConfig:
                              f"{self.min_workers}), or None for as many as the nodes hold")
         if not 0 <= self.restart_backoff_s <= self.restart_backoff_max_s:
             raise ValueError(f"cluster.fleet: need 0 <= {self.restart_backoff_s=} <= {self.restart_backoff_max_s=}")
+        if not self.place_timeout_s > 0:
+            raise ValueError(f"cluster.fleet.place_timeout_s={self.place_timeout_s} must be > 0")
         if self.weights not in ("auto", "zmq", "shm"):
             raise ValueError(f"cluster.fleet.weights={self.weights!r} must be 'auto', 'zmq' or 'shm'")
         if self.delta not in ("auto", True, False):

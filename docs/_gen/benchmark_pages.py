@@ -329,15 +329,19 @@ def elastic_resume(r: Result) -> tuple[str, str]:
 
 def cluster_launch(r: Result) -> tuple[str, str]:
     m, c, ratios = r.data["metrics"], r.data["config"], r.data["ratios"]
+    per_round = r.data.get("ratios_per_round", {})
     rows = [[name, f(run["rollouts_per_s"], 1), x(ratios.get(f"{name} / torchrun rollouts_per_s")) if name != "torchrun"
-             else "baseline", f"{run['steps'][0]}–{run['steps'][1]}", f(run["seconds"], 1), f(run["wall_s"], 1),
+             else "baseline", " / ".join(x(v) for v in per_round.get(f"{name} / torchrun rollouts_per_s", [])) or "–",
+             f"{run['steps'][0]}–{run['steps'][1]}", f(run["seconds"], 1), f(run["wall_s"], 1),
              str(run["staleness_max"])] for name, run in m.items()]
     add = m["ray"]["add_node"]
     ratio = ratios["ray / torchrun rollouts_per_s"]
+    rounds = c.get("rounds", 1)
     note = (f"`{c['run_file']}`, {c['ranks']} trainer ranks, {c['workers']} HF workers, steps {c['warmup']} on "
-            f"(start-up not counted); load average before {f(r.data['load_average']['before'][0], 1)}.")
-    tbl = table(["launcher", "rollouts/s", "÷ torchrun", "steps timed", "timed (s)", "launch to end (s)",
-                 "staleness max"], rows)
+            f"(start-up not counted), {rounds} round(s): the ratio is the median of the rounds' ratios, the other "
+            f"columns are the median round's; load average before {f(r.data['load_average']['before'][0], 1)}.")
+    tbl = table(["launcher", "rollouts/s", "÷ torchrun", "÷ torchrun, per round", "steps timed", "timed (s)",
+                 "launch to end (s)", "staleness max"], rows)
     joined = table(["add_node → node seen (s)", "→ its worker started (s)", "→ its first group trained (s)"],
                    [[f(add["node_seen_s"], 1), f(add["worker_started_s"], 1), f(add["first_group_trained_s"], 1)]])
     head = f"Ray {x(ratio)} torchrun's rollouts/s; a joining node's first group trained {f(add['first_group_trained_s'], 1)} s after add_node"

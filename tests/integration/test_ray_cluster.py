@@ -306,6 +306,49 @@ def _run(sup) -> int:
         return e
 
 
+def test_a_worker_that_cannot_be_placed_does_not_hold_up_the_supervisor(cluster, tmp_path):
+    """A node whose rollout GPU is held by something else: the worker actor asked for there stays pending. The
+    supervisor does not wait on it (everything else is still watched); after ``place_timeout_s`` it gives it up,
+    says ``worker_not_placed`` and backs off before asking there again."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from asyncrl.integrations.ray.supervisor import RaySupervisor, _Gang, run_tree
+
+    c, nodes = cluster
+    node = _node_id(next(n for name, n in nodes.items() if name not in ("a", "b")))  # the rollout-only node
+
+    @ray.remote(num_cpus=0)
+    class Hold:
+        def ready(self):
+            return True
+
+    holder = Hold.options(num_gpus=1, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+    run_dir = tmp_path / "run"
+    run_file = str(ROOT / "recipes/configs/tiny_cpu.yaml")
+    overrides = [*_overrides(run_dir), "cluster.fleet.place_timeout_s=2"]
+    sup = RaySupervisor(load_config(run_file, overrides), run_tree(run_file, overrides),
+                        recipe=str(ROOT / "recipes/grpo.py"), pythonpath=[str(ROOT)])
+    try:
+        assert ray.get(holder.ready.remote(), timeout=60)
+        sup.gang = _Gang(pg=None, ranks=[], refs=[], slots=[], records=[{"rank": 0}])  # a gang whose pools are up
+        t0 = time.monotonic()
+        sup._start_worker(node)
+        assert time.monotonic() - t0 < 5 and len(sup.placing) == 1  # asked for, not waited on
+        placing = next(iter(sup.placing.values()))
+        ready, _ = ray.wait([placing.info], timeout=1.0)
+        assert not ready  # pending: the node's GPU is held
+        time.sleep(2.2)
+        sup._check_placing()
+        assert not sup.placing and not sup.workers
+        gave_up = [e for e in _read_jsonl(run_dir / "cluster" / "events.jsonl") if e["event"] == "worker_not_placed"]
+        assert len(gave_up) == 1 and gave_up[0]["node_id"] == node, gave_up
+        assert sup.next_start[node] > time.monotonic()  # backs off before asking there again
+    finally:
+        sup.gang = None
+        sup.close()
+        ray.kill(holder)
+
+
 def test_a_killed_launcher_leaves_no_rank_training(cluster, tmp_path):
     """``asyncrl launch --engine ray`` SIGKILLed mid-run: Ray ends the actors it owned and each rank's recipe exits with
     its actor (asyncrl.lifeline): one trainer per run holds on a cluster too."""

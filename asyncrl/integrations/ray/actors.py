@@ -57,30 +57,45 @@ def _stop(proc: subprocess.Popen | None, timeout_s: float) -> int | None:
 
 class Registry:
     """The run's named registry (``asyncrl-registry-<run>``): the pools' records, and join requests from workers
-    outside Ray (their public keys; the supervisor authorizes them)."""
+    outside Ray (their public keys; the supervisor authorizes them). Threaded (``max_concurrency``): the supervisor
+    keeps one :meth:`wait_pending` call parked here instead of polling."""
 
     def __init__(self) -> None:
         self._records: list[dict[str, Any]] | None = None
         self._join: dict[str, str] = {}
         self._authorized: set[str] = set()
+        self._cond = threading.Condition()
 
     def put_records(self, records: list[dict[str, Any]] | None) -> None:
-        self._records = records
+        with self._cond:
+            self._records = records
 
     def records(self) -> list[dict[str, Any]] | None:
-        return self._records
+        with self._cond:
+            return self._records
 
     def request_join(self, worker_id: str, public_key: str) -> None:
-        self._join[worker_id] = public_key
+        with self._cond:
+            self._join[worker_id] = public_key
+            self._cond.notify_all()
 
     def pending(self) -> dict[str, str]:
-        return {w: k for w, k in self._join.items() if w not in self._authorized}
+        with self._cond:
+            return {w: k for w, k in self._join.items() if w not in self._authorized}
+
+    def wait_pending(self, timeout_s: float) -> dict[str, str]:
+        """The join requests not authorized yet, once there is one (or after ``timeout_s``, maybe none)."""
+        with self._cond:
+            self._cond.wait_for(lambda: any(w not in self._authorized for w in self._join), timeout_s)
+            return {w: k for w, k in self._join.items() if w not in self._authorized}
 
     def mark_authorized(self, worker_id: str) -> None:
-        self._authorized.add(worker_id)
+        with self._cond:
+            self._authorized.add(worker_id)
 
     def authorized(self, worker_id: str) -> bool:
-        return worker_id in self._authorized
+        with self._cond:
+            return worker_id in self._authorized
 
 
 class TrainerRank:

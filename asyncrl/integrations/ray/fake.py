@@ -10,7 +10,7 @@ Ray's children, and Ray's constant patched in this process, whatever imported Ra
 Its workers run at niceness 0 (``RAY_worker_niceness=0``, unless the environment sets it), as torchrun's processes and
 Ray Jobs' drivers do: by default Ray starts every worker process at niceness 15, asyncrl's trainer ranks and rollout
 workers (children of Ray actors) inherit it, and on one machine whose CPUs the fake nodes share, Ray's own daemons
-then preempt the run (``benchmarks/cluster_launch.py`` measured 0.84-0.88x torchrun's rollouts/s at 15).
+then preempt the run, which a comparison with torchrun on this machine measures (``benchmarks/cluster_launch.py``).
 """
 
 from __future__ import annotations

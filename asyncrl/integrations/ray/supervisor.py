@@ -6,8 +6,9 @@
       RaySupervisor.run()               one loop: ray.wait on every actor's run ref, at most cluster.fleet.poll_s
         _start_gang()                   placement group (one bundle per rank) -> ranks by node IP -> rank 0's IP
                                         and a free port -> each rank's recipe with torchrun's variables -> records
-        _reconcile()                    the fleet: each alive node with rollout resources gets its workers
-                                        (authorized in every pool's allow-list before they start)
+        _reconcile()                    the fleet: each alive node with rollout resources gets its workers; an actor
+                                        asked for is watched like the others (its info ref in the same ray.wait) and
+                                        authorized in every pool's allow-list once it runs, before its worker starts
         a worker's ref ends             revoke its key in every pool (refused from then on); replace it after a
                                         backoff if its node is alive
         a rank's ref ends non-zero      the gang is torn down, the fleet stopped, the gang started again
@@ -45,9 +46,13 @@ from asyncrl.config import RecipeConfig, apply_overrides
 from asyncrl.integrations.ray.actors import RegistryActor, RolloutWorkerActor, TrainerRankActor
 from asyncrl.transport.zmq import generate_curve_keys
 
-__all__ = ["RaySupervisor", "launch", "registry_name", "relay_prefix"]
+__all__ = ["JOIN_WAIT_S", "RaySupervisor", "launch", "registry_name", "relay_prefix"]
 
 logger = logging.getLogger(__name__)
+
+
+JOIN_WAIT_S = 30.0
+"""How long one parked ``wait_pending`` call waits in the registry before it returns (empty) and is made again."""
 
 
 def relay_prefix(run_dir: str) -> str:
@@ -71,6 +76,18 @@ class _Worker:
     ref: Any = None
     draining: bool = False
     weights: str = "zmq"
+
+
+@dataclass
+class _Placing:
+    """A worker actor asked for and not yet running (:meth:`RaySupervisor._start_worker`)."""
+
+    worker_id: str
+    node_id: str
+    actor: Any
+    info: Any
+    """Its ``info()`` ref: ready once the actor runs on its node."""
+    deadline: float
 
 
 @dataclass
@@ -98,6 +115,7 @@ class RaySupervisor:
         self.pool_public, self.pool_secret = generate_curve_keys()
         self.keys: dict[str, str] = {}  # worker id -> public key, authorized in every pool
         self.workers: dict[str, _Worker] = {}
+        self.placing: dict[str, _Placing] = {}  # worker id -> an actor asked for, not running yet
         self.deaths: dict[str, int] = {}  # node id -> worker deaths in a row there
         self.next_start: dict[str, float] = {}  # node id -> no new worker there before this time
         self.nodes: dict[str, dict[str, Any]] = {}  # alive nodes last seen
@@ -114,6 +132,8 @@ class RaySupervisor:
         self.cordoned: set[str] = set()
         """Nodes drained on purpose (:meth:`drain_node`): no worker is placed there any more."""
         self._below_min: bool | None = None
+        self._join_ref: Any = None
+        """A ``wait_pending`` call parked in the registry: ready when a worker outside Ray asks to join."""
         self.registry = self._new_registry()
         self._next_scan = 0.0
 
@@ -122,7 +142,8 @@ class RaySupervisor:
         """The run's named registry, on the driver's own node: it lives and dies with the driver, never with a
         worker node that is removed."""
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-        return RegistryActor.options(name=registry_name(self.run_dir), num_cpus=0, scheduling_strategy=here).remote()
+        return RegistryActor.options(name=registry_name(self.run_dir), num_cpus=0, scheduling_strategy=here,
+                                     max_concurrency=8).remote()
 
     def _registry(self, method: str, *args: Any) -> Any:
         """Calls the registry; one that died (its node lost all the same) is made again, with the current records."""
@@ -256,13 +277,15 @@ class RaySupervisor:
         now = time.monotonic()
         for node, want in target.items():
             have = [w for w in self.workers.values() if w.node_id == node and not w.draining]
-            if len(have) < want and now >= self.next_start.get(node, 0.0):
+            asked = sum(p.node_id == node for p in self.placing.values())
+            if len(have) + asked < want and now >= self.next_start.get(node, 0.0):
                 self._start_worker(node)
                 return  # one at a time: the next loop iteration places the next
             for extra in have[want:]:
                 self._drain(extra, "node_drained" if node in self.cordoned else "scale_down")
 
     def _start_worker(self, node: str) -> None:
+        """Asks Ray for a worker actor on ``node`` and returns at once; :meth:`_placed` starts it once it runs."""
         fleet, gang = self.fleet_cfg, self.gang
         assert gang is not None and gang.records is not None
         self.serial += 1
@@ -272,21 +295,38 @@ class RaySupervisor:
             num_cpus=need.get("CPU", 0), num_gpus=need.get("GPU", 0),
             resources={k: v for k, v in need.items() if k not in ("CPU", "GPU")}, max_concurrency=2,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(worker_id)
+        self.placing[worker_id] = _Placing(worker_id, node, actor, actor.info.remote(),
+                                           time.monotonic() + fleet.place_timeout_s)
+
+    def _placed(self, placing: _Placing) -> None:
+        """The actor runs (its info ref is ready) or could not be placed: the worker starts, or the node backs off."""
+        del self.placing[placing.worker_id]
+        gang, node, worker_id = self.gang, placing.node_id, placing.worker_id
         try:
-            info = ray.get(actor.info.remote(), timeout=60)
+            info = ray.get(placing.info, timeout=0)
         except (RayActorError, GetTimeoutError) as e:  # the node went away, or it cannot hold the actor now
-            ray.kill(actor, no_restart=True)
-            self.next_start[node] = time.monotonic() + fleet.restart_backoff_s
+            ray.kill(placing.actor, no_restart=True)
+            self.next_start[node] = time.monotonic() + self.fleet_cfg.restart_backoff_s
             self.event("worker_not_placed", worker_id=worker_id, node_id=node, error=f"{type(e).__name__}: {e}"[:300])
             return
+        if gang is None or gang.records is None or self.stopping or node in self.cordoned:
+            ray.kill(placing.actor, no_restart=True)  # placed too late: the gang or the node is going
+            return
         self._authorize(worker_id, info["public_key"])  # before it connects: its first handshake is admitted
-        path = weight_path(node, gang.slots[0].node_id, fleet.weights)
-        worker = _Worker(worker_id=worker_id, node_id=node, actor=actor, public_key=info["public_key"], weights=path)
+        path = weight_path(node, gang.slots[0].node_id, self.fleet_cfg.weights)
+        worker = _Worker(worker_id=worker_id, node_id=node, actor=placing.actor, public_key=info["public_key"],
+                         weights=path)
         sets = self._worker_sets(worker)
-        worker.ref = actor.run.remote(gang.records, sets, str(self.logs / f"{worker_id}.log"))
+        worker.ref = placing.actor.run.remote(gang.records, sets, str(self.logs / f"{worker_id}.log"))
         self.workers[worker_id] = worker
         self.event("worker_started", worker_id=worker_id, node_id=node, pid=info["pid"], weights=path,
                    delta="worker.weights.delta=true" in sets)
+
+    def _check_placing(self) -> None:
+        """Gives up the actors not running by their deadline (:data:`FleetConfig.place_timeout_s`)."""
+        now = time.monotonic()
+        for placing in [p for p in self.placing.values() if now >= p.deadline]:
+            self._placed(placing)  # its info ref is not ready: a GetTimeoutError, handled as not placed
 
     def _worker_sets(self, worker: _Worker) -> list[str]:
         """The worker's weight path, chosen for it: on rank 0's node the relay's shared memory (the broadcaster's zmq
@@ -340,6 +380,9 @@ class RaySupervisor:
                    detail=detail, replace_in_s=wait)
 
     def _stop_fleet(self, reason: str) -> None:
+        for placing in list(self.placing.values()):
+            ray.kill(placing.actor, no_restart=True)
+        self.placing.clear()
         for worker in list(self.workers.values()):
             worker.draining = True
             ray.kill(worker.actor, no_restart=True)
@@ -348,8 +391,20 @@ class RaySupervisor:
         self.workers.clear()
 
     # -- external workers ----------------------------------------------------------------------------------------
-    def _authorize_joiners(self) -> None:
-        for worker_id, key in self._registry("pending").items():
+    def _join_wait(self) -> Any:
+        """The parked ``wait_pending`` call (made again once it returned)."""
+        if self._join_ref is None:
+            self._join_ref = self.registry.wait_pending.remote(JOIN_WAIT_S)
+        return self._join_ref
+
+    def _joiners(self) -> None:
+        """The parked call returned: authorize whoever asked to join (a dead registry is made again, and asked)."""
+        ref, self._join_ref = self._join_ref, None
+        try:
+            pending = ray.get(ref)
+        except RayActorError:
+            pending = self._registry("pending")
+        for worker_id, key in pending.items():
             self._authorize(f"external:{worker_id}", key)
             self._registry("mark_authorized", worker_id)
 
@@ -403,11 +458,17 @@ class RaySupervisor:
             assert gang is not None
             pending = [r for i, r in enumerate(gang.refs) if i not in gang.done]
             worker_refs = {w.ref: w for w in self.workers.values()}
-            ready, _ = ray.wait([*pending, *worker_refs], num_returns=1, timeout=poll)
+            placing_refs = {p.info: p for p in self.placing.values()}
+            join = self._join_wait()
+            ready, _ = ray.wait([*pending, *worker_refs, *placing_refs, join], num_returns=1, timeout=poll)
             failed = False
             for ref in ready:
                 if ref in worker_refs:
                     self._worker_ended(worker_refs[ref])
+                elif ref in placing_refs:
+                    self._placed(placing_refs[ref])
+                elif ref == join:
+                    self._joiners()
                 else:
                     failed = self._gang_ended(gang.refs.index(ref)) or failed
             if failed:
@@ -438,7 +499,7 @@ class RaySupervisor:
                 self._next_scan = time.monotonic() + poll
                 self._scan_nodes()
                 self._collect_records()
-                self._authorize_joiners()
+                self._check_placing()
                 self._reconcile()
 
     def close(self) -> None:
