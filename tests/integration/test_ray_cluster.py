@@ -33,6 +33,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -291,6 +292,13 @@ def test_a_ray_run_survives_kills_node_changes_and_a_rank_restart(cluster, tmp_p
     from asyncrl.integrations.ray.supervisor import relay_prefix
 
     assert not glob.glob(relay_prefix(str(run_dir.resolve())) + ".*"), "a relay's shared memory was left behind"
+    # the actors' private directories (the pools' key pair in a rank's run file, a worker's key pair): removed by
+    # actors that ended, swept (owner lock free) from those Ray killed whenever a later actor made its own
+    from asyncrl.integrations.ray.actors import RANK_DIR_PREFIX, WORKER_DIR_PREFIX
+
+    tmp = tempfile.gettempdir()
+    left = [p for prefix in (RANK_DIR_PREFIX, WORKER_DIR_PREFIX) for p in glob.glob(os.path.join(tmp, f"{prefix}*"))]
+    assert not left, left
     print(f"\nray run: first step after {t_first:.1f} s; add_node -> first group from it trained {add_to_group_s:.1f} s;"
           f" events {dict(ev)}")
 

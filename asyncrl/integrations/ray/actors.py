@@ -18,7 +18,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 import ray
 import yaml
 
+from asyncrl._owned_dir import OwnedDir, make_owned_dir
 from asyncrl.cluster.registry import complete_records, pool_record_path, write_allow_list
 from asyncrl.codec import dumps_json, loads_json
 
@@ -38,8 +38,16 @@ def _node() -> dict[str, Any]:
             "pid": os.getpid(), "host": socket.gethostname()}
 
 
-def _private_dir(prefix: str) -> Path:
-    return Path(tempfile.mkdtemp(prefix=prefix))  # 0700
+RANK_DIR_PREFIX, WORKER_DIR_PREFIX = "asyncrl-ray-rank-", "asyncrl-ray-worker-"
+
+
+def _private_dir(prefix: str) -> OwnedDir:
+    """A 0700 scratch directory for an actor's secrets and files (a rank's run file with the pools' key pair, its
+    allow-list; a worker's key pair and pool records), removed when the actor is done with it; one left by an actor
+    Ray killed (its owner lock free) is swept by the next actor that makes one on this host (:mod:`asyncrl._owned_dir`).
+    """
+    owned, _ = make_owned_dir(prefix)
+    return owned
 
 
 def _stop(proc: subprocess.Popen | None, timeout_s: float) -> int | None:
@@ -103,7 +111,8 @@ class TrainerRank:
 
     def __init__(self, rank: int):
         self.rank = rank
-        self.dir = _private_dir(f"asyncrl-rank{rank}-")
+        self._owned = _private_dir(RANK_DIR_PREFIX)
+        self.dir = self._owned.path
         self.allow_file = self.dir / "allowed_keys"
         self._lock = threading.Lock()
         write_allow_list(self.allow_file, [])  # nobody until the supervisor authorizes workers
@@ -158,6 +167,8 @@ class TrainerRank:
             self._relay_stop.set()
             self._relay_thread.join(timeout_s)
             shutil.rmtree(self._relay_dir, ignore_errors=True)
+        if self.proc is None or self.proc.poll() is not None:  # the recipe is gone: its run file and allow-list too
+            self._owned.close()
         return code
 
     def relay_key(self) -> str:
@@ -200,7 +211,8 @@ class RolloutWorker:
         from asyncrl.transport.zmq import write_curve_key_file
 
         self.worker_id = worker_id
-        self.dir = _private_dir(f"asyncrl-{worker_id}-")
+        self._owned = _private_dir(WORKER_DIR_PREFIX)
+        self.dir = self._owned.path
         self.key_file = self.dir / "worker.key"
         self.public_key = write_curve_key_file(str(self.key_file))  # 0600; only the public key is returned
         self.proc: subprocess.Popen | None = None
@@ -224,7 +236,10 @@ class RolloutWorker:
         Path(log).parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-        return self.proc.wait()
+        try:
+            return self.proc.wait()
+        finally:
+            self._owned.close()  # its key pair and records; the actor ends next
 
     def pid(self) -> int | None:
         return None if self.proc is None else self.proc.pid
