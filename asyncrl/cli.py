@@ -193,7 +193,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                    "(auto, or HOST:PORT) for the records (with --run-name)")
     w.add_argument("--run-name", help="--ray-address: the run whose registry to ask (its run directory's name)")
     w.add_argument("--ray-namespace", default="asyncrl", help="--ray-address: the run's Ray namespace (cluster.namespace)")
-    w.add_argument("--registry-timeout-s", type=float, default=300.0, help="wait this long for every rank's record")
+    w.add_argument("--registry-timeout-s", type=float, default=300.0,
+                   help="wait this long for every rank's record (at start, and for the next incarnation's once the "
+                   "pools went silent: a restarted trainer gang)")
     w.add_argument("--config", help="JSON file with 'worker' and 'transport' sections")
     w.add_argument("--config-json", help=argparse.SUPPRESS)
     w.add_argument("--set", action="append", metavar="KEY=VALUE", help="dotted override, e.g. worker.slots=8")
