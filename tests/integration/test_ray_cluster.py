@@ -97,7 +97,7 @@ def _overrides(run_dir: Path) -> list[str]:
         "cluster.engine=ray", "cluster.node_ip=127.0.0.1", f"cluster.namespace={NAMESPACE}",
         "cluster.trainer.nnodes=2", "cluster.trainer.max_restarts=1", "cluster.trainer.restart_backoff_s=0.5",
         "cluster.fleet.min_workers=3", "cluster.fleet.restart_backoff_s=0.5", "cluster.fleet.poll_s=0.3",
-        "cluster.fleet.drain_timeout_s=10", "testing.step_delay_s=1.5"]
+        "cluster.fleet.drain_timeout_s=10", "testing.step_delay_s=1.0"]
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -299,7 +299,8 @@ def test_a_ray_run_survives_kills_node_changes_and_a_rank_restart(cluster, tmp_p
     tmp = tempfile.gettempdir()
     left = [p for prefix in (RANK_DIR_PREFIX, WORKER_DIR_PREFIX) for p in glob.glob(os.path.join(tmp, f"{prefix}*"))]
     assert not left, left
-    print(f"\nray run: first step after {t_first:.1f} s; add_node -> first group from it trained {add_to_group_s:.1f} s;"
+    print(f"\nray run: rank killed at step {killed_at} of {STEPS}; first step after {t_first:.1f} s; "
+          f"add_node -> first group from it trained {add_to_group_s:.1f} s;"
           f" events {dict(ev)}")
 
 
