@@ -62,11 +62,13 @@ def _worker(args: argparse.Namespace) -> None:
         from workers.launcher import pin_device
 
         device = pin_device(args.device)
+    from workers.worker import run_worker
+
+    found = bool(args.registry or args.ray_address)  # the pools found through their records, not typed
     lost: str | None = None  # the incarnation of the pools this worker lost (found through a registry)
     while True:
         tree: dict[str, Any] = {"worker": {}, "transport": {}}
         connect, server_key = list(args.connect or []), args.server_key
-        found = bool(args.registry or args.ray_address)
         if found:  # every rank's endpoint, the pools' public key and the run's worker settings
             records = _pool_records(args, not_incarnation=lost)
             connect, server_key = [r["endpoint"] for r in records], server_key or records[0]["server_key"]
@@ -82,8 +84,6 @@ def _worker(args: argparse.Namespace) -> None:
         worker = from_dict(WorkerConfig, tree.get("worker", {}), "worker.")  # errors name the dotted key
         if device is not None and isinstance(worker.engine, HFEngineConfig):  # vLLM uses the GPUs it sees
             worker = dataclasses.replace(worker, engine=dataclasses.replace(worker.engine, device=device))
-        from workers.worker import run_worker
-
         transport = from_dict(TransportConfig, tree.get("transport", {}), "transport.")
         args.worker_id = args.worker_id or f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         try:

@@ -86,10 +86,11 @@ class RolloutPoolNode(BaseNode[Group]):
         self.before_state = before_state
         self.on_epoch_end = on_epoch_end
         self.min_workers = min_workers
-        self.fleet = {"pauses": 0, "paused_s": 0.0, "paused": False, "ready_workers": None}
-        """The floor's counters (:meth:`fleet_stats`): pauses begun, seconds of the pauses ended, paused now, the
-        ready workers last seen."""
+        self.fleet = {"pauses": 0, "paused_s": 0.0, "ready_workers": None}
+        """The floor's counters (:meth:`fleet_stats`): pauses begun, seconds of the pauses ended, the ready workers
+        last seen."""
         self._paused_since: float | None = None
+        """When the pause going on began (None: not paused)."""
         self._said_at = 0.0
         self._epochs_started = 0
         self._yielded_since_reset = 0
@@ -130,9 +131,10 @@ class RolloutPoolNode(BaseNode[Group]):
 
     def fleet_stats(self) -> dict[str, Any]:
         """The floor's counters with the pause going on counted up to now (``RolloutLoader.stats()["fleet"]``)."""
-        out = {**self.fleet, "min_workers": self.min_workers}
-        if self._paused_since is not None:
-            out["paused_s"] += time.monotonic() - self._paused_since
+        since = self._paused_since
+        out = {**self.fleet, "paused": since is not None, "min_workers": self.min_workers}
+        if since is not None:
+            out["paused_s"] += time.monotonic() - since
         return out
 
     def _below_floor(self, now: float) -> bool:
@@ -145,14 +147,13 @@ class RolloutPoolNode(BaseNode[Group]):
             if self._paused_since is not None:
                 paused = now - self._paused_since
                 self.fleet["paused_s"] += paused
-                self.fleet["paused"], self._paused_since = False, None
+                self._paused_since = None
                 logger.warning("%s: resumed after %.1f s paused: %d workers serve (%s.min_workers=%d)",
                                self.receiver.endpoint, paused, ready, key, self.min_workers)
             return False
         if self._paused_since is None:
             self._paused_since, self._said_at = now, now
             self.fleet["pauses"] += 1
-            self.fleet["paused"] = True
             logger.warning("%s: paused: %d workers serve, fewer than %s.min_workers=%d; nothing is trained until "
                            "enough serve again (groups that arrive are kept)", self.receiver.endpoint, ready, key,
                            self.min_workers)

@@ -87,15 +87,18 @@ class Registry:
             self._join[worker_id] = public_key
             self._cond.notify_all()
 
+    def _pending(self) -> dict[str, str]:
+        """(Under ``_cond``.) The join requests not authorized yet."""
+        return {w: k for w, k in self._join.items() if w not in self._authorized}
+
     def pending(self) -> dict[str, str]:
         with self._cond:
-            return {w: k for w, k in self._join.items() if w not in self._authorized}
+            return self._pending()
 
     def wait_pending(self, timeout_s: float) -> dict[str, str]:
         """The join requests not authorized yet, once there is one (or after ``timeout_s``, maybe none)."""
         with self._cond:
-            self._cond.wait_for(lambda: any(w not in self._authorized for w in self._join), timeout_s)
-            return {w: k for w, k in self._join.items() if w not in self._authorized}
+            return self._cond.wait_for(self._pending, timeout_s) or {}
 
     def mark_authorized(self, worker_id: str) -> None:
         with self._cond:

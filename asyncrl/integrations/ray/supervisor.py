@@ -76,6 +76,8 @@ class _Worker:
     ref: Any = None
     draining: bool = False
     weights: str = "zmq"
+    delta: bool = False
+    """Whether it takes its zmq versions as deltas (:func:`~asyncrl.cluster.placement.wants_delta`)."""
 
 
 @dataclass
@@ -313,14 +315,15 @@ class RaySupervisor:
             ray.kill(placing.actor, no_restart=True)  # placed too late: the gang or the node is going
             return
         self._authorize(worker_id, info["public_key"])  # before it connects: its first handshake is admitted
-        path = weight_path(node, gang.slots[0].node_id, self.fleet_cfg.weights)
+        ip = self.nodes.get(node, {}).get("NodeManagerAddress", "")
         worker = _Worker(worker_id=worker_id, node_id=node, actor=placing.actor, public_key=info["public_key"],
-                         weights=path)
-        sets = self._worker_sets(worker)
-        worker.ref = placing.actor.run.remote(gang.records, sets, str(self.logs / f"{worker_id}.log"))
+                         weights=weight_path(node, gang.slots[0].node_id, self.fleet_cfg.weights),
+                         delta=wants_delta(self.fleet_cfg.delta, ip, gang.slots[0].node_ip))
+        worker.ref = placing.actor.run.remote(gang.records, self._worker_sets(worker),
+                                              str(self.logs / f"{worker_id}.log"))
         self.workers[worker_id] = worker
-        self.event("worker_started", worker_id=worker_id, node_id=node, pid=info["pid"], weights=path,
-                   delta="worker.weights.delta=true" in sets)
+        self.event("worker_started", worker_id=worker_id, node_id=node, pid=info["pid"], weights=worker.weights,
+                   delta=worker.delta)
 
     def _check_placing(self) -> None:
         """Gives up the actors not running by their deadline (:data:`FleetConfig.place_timeout_s`)."""
@@ -334,8 +337,7 @@ class RaySupervisor:
         network lies between them (:func:`~asyncrl.cluster.placement.wants_delta`)."""
         gang = self.gang
         assert gang is not None
-        ip = self.nodes.get(worker.node_id, {}).get("NodeManagerAddress", "")
-        sets = [f"worker.weights.delta={str(wants_delta(self.fleet_cfg.delta, ip, gang.slots[0].node_ip)).lower()}"]
+        sets = [f"worker.weights.delta={str(worker.delta).lower()}"]
         if worker.weights == "shm" and gang.relay is not None:
             sets.append(f"worker.weights.relay={gang.relay}")
         return sets
