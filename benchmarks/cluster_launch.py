@@ -16,9 +16,8 @@ overrides and two rollout workers:
 
 Rollouts/s is the number of rollouts trained from step ``--warmup`` to step ``--steps`` over the wall time between
 them (``metrics.jsonl``), so start-up is not counted; the ratio is Ray's over torchrun's in the same round, and the
-one reported the median of ``--rounds`` rounds (a 12 s window on 2 shared cores moves by several percent from one run
-to the next). The Ray run is given more
-steps and goes on past that window for the joining node below, then is stopped. Then, in
+one reported the median of ``--rounds`` rounds (a window of seconds on shared cores moves from one run to the next).
+The Ray run is given more steps and goes on past that window for the joining node below, then is stopped. Then, in
 the Ray run, a third node with the rollout resource is added (``cluster.add_node``) and the seconds until the first
 group from its worker is trained (``consumed-rank*.jsonl``) are measured: ``add_node`` to the node seen, to its
 worker started, to its first group trained. On one machine the fake nodes share the CPUs: the numbers are what this
